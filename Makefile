@@ -1,0 +1,32 @@
+# Two commands: `make demo` and `make test`. Each creates/refreshes .venv and installs what it needs.
+# torch is installed first as the CPU build (TORCH_SPEC); on a GPU machine, install your own torch
+# into the venv (or set TORCH_SPEC) — a torch that already satisfies it is left alone.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test lint bench clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[dev]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(PY) -m knapformer.tools.plan_demo --out runs/demo
+
+test: setup
+	$(PY) -m ruff check knapformer tests benchmarks
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) benchmarks/plan_quality.py
+	$(PY) benchmarks/plan_latency.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .hypothesis

@@ -1,0 +1,77 @@
+"""The KnapFormer paper's rule, kept exactly as the baseline.
+
+Per-rank capacity ``C = total work / ranks`` (with rank speeds: per unit of speed). Visit
+sequences by decreasing work (ties: lower global id first). Candidate bags: capacity
+``C·|bag| ≥ work`` and ``|bag| ≤ length``; if there are none, all bags of the largest size.
+Pick the candidate with the lowest occupancy ``assigned / capacity`` (ties: lower bag index).
+
+The rule knows nothing of memory caps: a plan that breaks ``max_tokens_per_rank`` raises.
+Bags are kept in one heap per (size, capacity) class so a visit costs O(classes · log B)
+instead of a scan over all bags.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+
+import numpy as np
+
+from knapformer.plan.plan import Plan, build_plan
+from knapformer.plan.problem import PlanProblem
+
+__all__ = ["solve_paper", "paper_assignment"]
+
+
+def bag_classes(problem: PlanProblem) -> list[tuple[int, float, list[int]]]:
+    """Interchangeable bags: ``(size, capacity, bag ids)`` sorted by size then capacity."""
+    classes: dict[tuple[int, float], list[int]] = {}
+    for b in range(len(problem.bags)):
+        classes.setdefault((int(problem.bag_size[b]), float(problem.bag_capacity[b])), []).append(b)
+    return [(k, c, ids) for (k, c), ids in sorted(classes.items())]
+
+
+def paper_assignment(problem: PlanProblem) -> np.ndarray:
+    """(n,) bag of each sequence under the paper's rule."""
+    n = problem.num_seqs
+    seq_bag = np.zeros(n, dtype=np.int64)
+    if n == 0:
+        return seq_bag
+    work, lengths = problem.work, problem.lengths
+    per_speed = float(work.sum()) / float(problem.speed.sum())
+    classes = bag_classes(problem)
+    heaps = [[(0.0, b) for b in ids] for _, _, ids in classes]
+    sizes = np.array([k for k, _, _ in classes])
+    caps = np.array([per_speed * c for _, c, _ in classes])
+    largest = tuple(int(i) for i in np.flatnonzero(sizes == sizes.max()))
+    order = np.argsort(-work, kind="stable")
+    # eligibility is static (capacity and size vs the sequence), so compute it in one pass
+    elig = (caps[None, :] >= work[order][:, None]) & (sizes[None, :] <= lengths[order][:, None])
+    masks = elig @ (1 << np.arange(len(classes)))
+    by_mask = {int(m): tuple(int(i) for i in np.flatnonzero(row)) or largest for m, row in zip(*np.unique(masks, return_index=True)) for row in [elig[row]]}
+    caps_l, work_l = caps.tolist(), work.tolist()
+    for g, m in zip(order.tolist(), masks.tolist()):
+        w = work_l[g]
+        eligible = by_mask[m]
+        if len(eligible) == 1:
+            i = eligible[0]
+        else:
+            i = min(eligible, key=lambda i: (heaps[i][0][0] / caps_l[i] if caps_l[i] > 0 else 0.0, heaps[i][0][1]))
+        assigned, b = heaps[i][0]
+        heapq.heapreplace(heaps[i], (assigned + w, b))
+        seq_bag[g] = b
+    return seq_bag
+
+
+def solve_paper(problem: PlanProblem, *, time_budget_s: float | None = None) -> Plan:
+    """The paper's rule (``time_budget_s`` is ignored: the rule is one pass)."""
+    t0 = time.perf_counter()
+    seq_bag = paper_assignment(problem)
+    plan = build_plan(problem, seq_bag, solver="paper")
+    return _stamp(plan, t0)
+
+
+def _stamp(plan: Plan, t0: float) -> Plan:
+    """Record the wall time since ``t0`` (solver + chunking) on the plan."""
+    object.__setattr__(plan, "plan_seconds", time.perf_counter() - t0)
+    return plan

@@ -1,0 +1,150 @@
+"""Workload model: what one sequence costs, and how that cost splits inside a bag.
+
+The planner never measures anything; it trusts this model. The paper's form is
+``24·L·d² + γ·4·L²·d`` per layer: the first term is the token-wise matmuls (QKV, output
+projection, a 4× MLP), the second is attention (QKᵀ and AV). We keep the two parts as
+separate *coefficients* (``linear_coef``, ``quad_coef``) so that a calibrated profile can
+replace them without touching the planner.
+
+Cost of a chunk: a chunk of ℓ tokens of a sequence of length L in a bag of k ranks costs
+``lin(ℓ) + quad(L)/k`` on its rank, because Ulysses gives each bag rank all L tokens of the
+sequence for h/k heads. Summed over the bag this is exactly ``cost(L)``: moving work never
+creates or destroys it, which is what makes ``total / ranks`` a valid lower bound.
+
+FLOP counts (for HFU) are the true forward FLOPs ``24·L·d² + 4·L²·d`` per layer (γ is a
+*time* fudge, not FLOPs), backward = 2× forward, activation recompute = 1× forward.
+
+No torch, no devices: the planner runs everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["WorkloadModel", "transformer_flops"]
+
+
+def transformer_flops(length: int | np.ndarray, d_model: int, *, causal: bool = False) -> Any:
+    """True forward FLOPs of one Transformer layer on a sequence of ``length`` tokens."""
+    length = np.asarray(length, dtype=np.float64)
+    attn = 4.0 * length * length * d_model * (0.5 if causal else 1.0)
+    return 24.0 * length * d_model * d_model + attn
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkloadModel:
+    """Per-layer cost of a sequence: ``linear_coef·L + quad_coef·L²``.
+
+    Units are arbitrary but shared by every sequence (paper form: FLOP-like units). Build it
+    from the paper's form with ``WorkloadModel(d_model=..., gamma=...)`` or from a measured
+    profile with :meth:`from_profile`.
+    """
+
+    d_model: int
+    """Model width d; sets the paper-form coefficients."""
+    gamma: float = 1.0
+    """Attention cost multiplier γ in ``24·L·d² + γ·4·L²·d`` (hardware dependent)."""
+    causal: bool = False
+    """Causal attention does half the quadratic work."""
+    num_layers: int = 1
+    """Layers in the model; scales FLOP counts (the planner is indifferent to it)."""
+    linear: float | None = None
+    """Override of the linear coefficient (calibrated profiles); None = ``24·d²``."""
+    quadratic: float | None = None
+    """Override of the quadratic coefficient (calibrated, already causal-adjusted);
+    None = ``γ·4·d`` (halved when causal)."""
+    meta: dict = field(default_factory=dict, compare=False)
+    """Free-form provenance (device, date, fit quality) carried through JSON."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.d_model, int) or isinstance(self.d_model, bool) or self.d_model <= 0:
+            raise ValueError(f"d_model must be a positive int, got {self.d_model!r}")
+        if not (isinstance(self.gamma, (int, float)) and math.isfinite(self.gamma) and self.gamma >= 0):
+            raise ValueError(f"gamma must be a finite number >= 0, got {self.gamma!r}")
+        if not isinstance(self.num_layers, int) or self.num_layers <= 0:
+            raise ValueError(f"num_layers must be a positive int, got {self.num_layers!r}")
+        for name in ("linear", "quadratic"):
+            v = getattr(self, name)
+            if v is not None and not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} coefficient must be finite and >= 0, got {v!r}")
+        if self.linear_coef == 0 and self.quad_coef == 0:
+            raise ValueError("workload model has zero cost for every sequence")
+
+    # -- coefficients -------------------------------------------------------------------
+    @property
+    def linear_coef(self) -> float:
+        """Cost per token of the token-wise part."""
+        return float(self.linear) if self.linear is not None else 24.0 * self.d_model**2
+
+    @property
+    def quad_coef(self) -> float:
+        """Cost per token² of attention."""
+        if self.quadratic is not None:
+            return float(self.quadratic)
+        return self.gamma * 4.0 * self.d_model * (0.5 if self.causal else 1.0)
+
+    # -- costs (vectorised: ints or numpy arrays) ---------------------------------------
+    def lin(self, length: Any) -> Any:
+        """Linear (token-wise) part of the cost of ``length`` tokens."""
+        return self.linear_coef * np.asarray(length, dtype=np.float64)
+
+    def quad(self, length: Any) -> Any:
+        """Quadratic (attention) part of the cost of a sequence of ``length`` tokens."""
+        length = np.asarray(length, dtype=np.float64)
+        return self.quad_coef * length * length
+
+    def cost(self, length: Any) -> Any:
+        """Cost of a whole sequence on one rank."""
+        return self.lin(length) + self.quad(length)
+
+    def chunk_cost(self, chunk_len: Any, seq_len: Any, bag_size: Any) -> Any:
+        """Cost on one bag rank of a chunk of ``chunk_len`` tokens of a ``seq_len`` sequence."""
+        return self.lin(chunk_len) + self.quad(seq_len) / np.asarray(bag_size, dtype=np.float64)
+
+    # -- FLOPs ---------------------------------------------------------------------------
+    def flops(self, length: Any, *, backward: bool = True, recompute: bool = False) -> Any:
+        """True FLOPs of all layers: forward (+ backward = 2× forward, + recompute = 1×)."""
+        mult = 1.0 + (2.0 if backward else 0.0) + (1.0 if recompute else 0.0)
+        per_layer = transformer_flops(length, self.d_model, causal=self.causal)
+        return mult * self.num_layers * per_layer
+
+    # -- profiles ------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        """JSON-ready dict; includes the effective coefficients for readers."""
+        d = asdict(self)
+        d["linear_coef"] = self.linear_coef
+        d["quad_coef"] = self.quad_coef
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict) -> WorkloadModel:
+        """Inverse of :meth:`to_dict`; unknown keys are an error (typos should not pass)."""
+        if not isinstance(data, dict):
+            raise ValueError(f"workload profile must be a JSON object, got {type(data).__name__}")
+        data = {k: v for k, v in data.items() if k not in ("linear_coef", "quad_coef")}
+        known = {"d_model", "gamma", "causal", "num_layers", "linear", "quadratic", "meta"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown workload profile keys: {unknown}")
+        if "d_model" not in data:
+            raise ValueError("workload profile lacks 'd_model'")
+        return cls(**data)
+
+    def save(self, path: str | Path) -> None:
+        """Write the profile as JSON."""
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def from_profile(cls, path: str | Path) -> WorkloadModel:
+        """Load a profile written by :meth:`save` (or the calibrator)."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cannot read workload profile {str(path)!r}: {exc}") from exc
+        return cls.from_dict(data)

@@ -1,0 +1,62 @@
+"""The `knapformer plan` CLI: JSON in, JSON or a summary out, one-line errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from knapformer.cli import main
+
+
+def write(tmp_path, obj, name="in.json"):
+    p = tmp_path / name
+    p.write_text(obj if isinstance(obj, str) else json.dumps(obj))
+    return str(p)
+
+
+def test_plan_writes_json(tmp_path):
+    inp = write(tmp_path, {"seq_lens": [[100, 20], [5], [900], []]})
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--input", inp, "--bags", "g1n2+g2n1", "--d-model", "64", "--output", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    for key in ("bags", "chunks", "work_before", "work_after", "lower_bound", "tokens_moved", "plan_seconds", "solver"):
+        assert key in plan
+    assert plan["bags"] == [[0], [1], [2, 3]]
+    assert sum(row[3] for row in plan["chunks"]) == 1025
+    assert all(len(row) == 5 for row in plan["chunks"])
+
+
+def test_plan_prints_summary(tmp_path, capsys):
+    inp = write(tmp_path, {"seq_lens": [[100, 20], [5]]})
+    assert main(["plan", "--input", inp, "--bags", "g1n2", "--solver", "paper", "--causal"]) == 0
+    text = capsys.readouterr().out
+    assert "imbalance" in text and "solver paper" in text
+
+
+@pytest.mark.parametrize(
+    "content, bags, message",
+    [
+        (None, "g1n2", "cannot read input file"),
+        ("{not json", "g1n2", "is not valid JSON"),
+        ({"lens": []}, "g1n2", "must be a JSON object with key 'seq_lens'"),
+        ({"seq_lens": 5}, "g1n2", "'seq_lens' must be a list"),
+        ({"seq_lens": [[1, 2.5], [3]]}, "g1n2", r"seq_lens\[0\]\[1\] = 2.5 is not an integer"),
+        ({"seq_lens": [[1, -2], [3]]}, "g1n2", r"seq_lens\[0\]\[1\] = -2 must be a positive length"),
+        ({"seq_lens": [[1], [3]]}, "g1n2+x", "malformed bag term 'x'"),
+        ({"seq_lens": [[1], [3]]}, "g1n3", "seq_lens has 2 ranks but the bag layout's group has 3"),
+    ],
+)
+def test_bad_input_exits_with_one_line(tmp_path, capsys, content, bags, message):
+    inp = str(tmp_path / "missing.json") if content is None else write(tmp_path, content)
+    assert main(["plan", "--input", inp, "--bags", bags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert pytest.importorskip("re").search(message, err), err
+
+
+def test_entry_point_runs_without_traceback(tmp_path):
+    inp = write(tmp_path, {"seq_lens": [[0]]})
+    res = subprocess.run([sys.executable, "-m", "knapformer", "plan", "--input", inp, "--bags", "g1n1"], capture_output=True, text=True)
+    assert res.returncode == 2
+    assert "Traceback" not in res.stderr and "must be a positive length" in res.stderr

@@ -1,0 +1,79 @@
+"""Property tests: every solver's plan keeps the invariants of ARCHITECTURE.md."""
+
+import numpy as np
+import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from knapformer.layout import BagLayout
+from knapformer.plan import SOLVERS, Plan, plan_sequences
+from knapformer.workload import WorkloadModel
+from tests.strategies import problems
+
+MODEL = WorkloadModel(d_model=64, gamma=1.0)
+FAST_SOLVERS = [name for name, info in SOLVERS.items() if info.scales]
+
+
+@pytest.mark.parametrize("solver", FAST_SOLVERS)
+@given(problem=problems())
+@example(problem=(BagLayout(((4, 2),)), [[1], [], [2, 3], [], [1, 1, 1], [], [], [5000]]))
+@example(problem=(BagLayout(((1, 1), (8, 1))), [[1]] + [[]] * 8))
+@example(problem=(BagLayout(((2, 3),)), [[]] * 6))
+def test_every_token_lands_in_exactly_one_chunk(solver, problem):
+    """Chunks of each sequence are contiguous, in bag order, cover it exactly, sit in one bag
+    with at most one chunk per bag rank; the plan never beats its lower bound."""
+    layout, lens = problem
+    plan = plan_sequences(lens, layout, MODEL, solver=solver)
+    plan.validate()
+    tokens = np.bincount(plan.chunks[:, 4], weights=plan.chunks[:, 3], minlength=layout.group_size)
+    assert tokens.sum() == sum(map(sum, lens))
+    # work is conserved: moving work never creates or destroys it
+    assert plan.time_after.sum() == pytest.approx(plan.time_before.sum(), rel=1e-9)
+
+
+@given(problem=problems(), data=st.data())
+def test_memory_cap_is_respected_or_refused(problem, data):
+    """Under max_tokens_per_rank the plan either respects the cap on every rank or raises a
+    ValueError that names the cap."""
+    layout, lens = problem
+    total = sum(map(sum, lens))
+    cap = data.draw(st.integers(1, max(1, total)))
+    try:
+        plan = plan_sequences(lens, layout, MODEL, max_tokens_per_rank=cap)
+    except ValueError as exc:
+        assert "max_tokens_per_rank" in str(exc)
+        return
+    plan.validate()
+    assert plan.tokens_per_rank().max(initial=0) <= cap
+
+
+@given(problem=problems())
+def test_default_solver_is_never_worse_than_paper(problem):
+    """The default solver's makespan is <= the paper rule's on every input."""
+    layout, lens = problem
+    ours = plan_sequences(lens, layout, MODEL)
+    paper = plan_sequences(lens, layout, MODEL, solver="paper")
+    assert ours.makespan <= paper.makespan * (1 + 1e-12)
+
+
+@given(problem=problems(), data=st.data())
+def test_rank_speed_scales_time(problem, data):
+    """With rank speeds, predicted time is work / speed and plans stay valid."""
+    layout, lens = problem
+    speed = data.draw(st.lists(st.floats(0.25, 4.0), min_size=layout.group_size, max_size=layout.group_size))
+    plan = plan_sequences(lens, layout, MODEL, rank_speed=speed)
+    plan.validate()
+    uniform = plan_sequences(lens, layout, MODEL, solver="paper")
+    np.testing.assert_allclose(plan.time_before * np.array(speed), uniform.time_before, rtol=1e-9)
+
+
+@given(problem=problems())
+def test_plans_are_deterministic_and_round_trip_json(problem):
+    """Identical input gives an identical plan; JSON round trip preserves it."""
+    layout, lens = problem
+    a = plan_sequences(lens, layout, MODEL)
+    b = plan_sequences([list(r) for r in lens], layout.spec(), MODEL)
+    assert a.digest() == b.digest()
+    c = Plan.from_json(a.to_json())
+    assert c.digest() == a.digest()
+    np.testing.assert_array_equal(c.time_after, a.time_after)
