@@ -57,14 +57,34 @@ def main() -> None:
             layout = layout_for(ranks)
             ms_paper, p = timed(lens, layout, model, "paper", args.repeats)
             ms_ours, o = timed(lens, layout, model, "lpt", args.repeats)
-            rows.append({"ranks": ranks, "mix": mix, "seqs": sum(map(len, lens)), "paper_ms": ms_paper,
-                         "ours_ms": ms_ours, "ours/paper_time": ms_ours / ms_paper,
-                         "paper/bound": p.gap_to_bound, "ours/bound": o.gap_to_bound})
+            rows.append(
+                {
+                    "ranks": ranks,
+                    "mix": mix,
+                    "seqs": sum(map(len, lens)),
+                    "paper_ms": ms_paper,
+                    "ours_ms": ms_ours,
+                    "ours/paper_time": ms_ours / ms_paper,
+                    "paper/bound": p.gap_to_bound,
+                    "ours/bound": o.gap_to_bound,
+                }
+            )
             print(".", end="", flush=True)
         ranks *= 2
     print()
-    print_table(rows, [("ranks", "d"), ("mix", "s"), ("seqs", "d"), ("paper_ms", ".1f"), ("ours_ms", ".1f"),
-                       ("ours/paper_time", ".2f"), ("paper/bound", ".5f"), ("ours/bound", ".5f")])
+    print_table(
+        rows,
+        [
+            ("ranks", "d"),
+            ("mix", "s"),
+            ("seqs", "d"),
+            ("paper_ms", ".1f"),
+            ("ours_ms", ".1f"),
+            ("ours/paper_time", ".2f"),
+            ("paper/bound", ".5f"),
+            ("ours/bound", ".5f"),
+        ],
+    )
     write_json(args.out, rows, model=model.to_dict())
 
 

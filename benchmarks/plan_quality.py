@@ -79,14 +79,29 @@ def main() -> None:
         rows.append(row(f"random/{i}", layout, lens, model, args.exact_seconds))
         print(".", end="", flush=True)
     print()
-    cols = [("instance", "s"), ("layout", "s"), ("imb_before", ".4f"), ("imb_paper", ".5f"), ("imb_ours", ".5f"),
-            ("paper/bound", ".5f"), ("ours/bound", ".5f"), ("paper/opt", ".5f"), ("ours/opt", ".5f"),
-            ("ours/paper", ".5f"), ("moved_paper", "d"), ("moved_ours", "d")]
+    cols = [
+        ("instance", "s"),
+        ("layout", "s"),
+        ("imb_before", ".4f"),
+        ("imb_paper", ".5f"),
+        ("imb_ours", ".5f"),
+        ("paper/bound", ".5f"),
+        ("ours/bound", ".5f"),
+        ("paper/opt", ".5f"),
+        ("ours/opt", ".5f"),
+        ("ours/paper", ".5f"),
+        ("moved_paper", "d"),
+        ("moved_ours", "d"),
+    ]
     print_table(rows, cols)
     worse = [r for r in rows if r["ours/paper"] > 1 + 1e-12]
     ratios = [r["ours/opt"] for r in rows if r["ours/opt"] is not None]
-    print(f"\ninstances: {len(rows)}; ours worse than paper: {len(worse)}; "
-          f"ours/opt where proven: max {max(ratios):.5f} over {len(ratios)}" if ratios else "")
+    print(
+        f"\ninstances: {len(rows)}; ours worse than paper: {len(worse)}; "
+        f"ours/opt where proven: max {max(ratios):.5f} over {len(ratios)}"
+        if ratios
+        else ""
+    )
     write_json(args.out, rows, model=model.to_dict())
 
 

@@ -57,6 +57,8 @@ def test_bad_input_exits_with_one_line(tmp_path, capsys, content, bags, message)
 
 def test_entry_point_runs_without_traceback(tmp_path):
     inp = write(tmp_path, {"seq_lens": [[0]]})
-    res = subprocess.run([sys.executable, "-m", "knapformer", "plan", "--input", inp, "--bags", "g1n1"], capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "knapformer", "plan", "--input", inp, "--bags", "g1n1"], capture_output=True, text=True
+    )
     assert res.returncode == 2
     assert "Traceback" not in res.stderr and "must be a positive length" in res.stderr

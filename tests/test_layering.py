@@ -3,7 +3,14 @@
 import subprocess
 import sys
 
-PURE = ["knapformer", "knapformer.workload", "knapformer.layout", "knapformer.plan", "knapformer.data", "knapformer.cli"]
+PURE = [
+    "knapformer",
+    "knapformer.workload",
+    "knapformer.layout",
+    "knapformer.plan",
+    "knapformer.data",
+    "knapformer.cli",
+]
 
 
 def test_pure_layers_do_not_import_torch():

@@ -102,7 +102,9 @@ def test_determinism_across_processes():
     digests = set()
     for seed in ("0", "1", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        out = subprocess.run([sys.executable, "-c", code], input=json.dumps(lens), capture_output=True, text=True, env=env, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", code], input=json.dumps(lens), capture_output=True, text=True, env=env, check=True
+        )
         digests.add(out.stdout.strip())
     assert len(digests) == 1
 

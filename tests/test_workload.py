@@ -32,7 +32,9 @@ def test_vectorised():
 
 
 def test_profile_round_trip(tmp_path):
-    m = WorkloadModel(d_model=128, gamma=0.7, causal=True, num_layers=4, linear=3.0, quadratic=0.01, meta={"device": "cpu"})
+    m = WorkloadModel(
+        d_model=128, gamma=0.7, causal=True, num_layers=4, linear=3.0, quadratic=0.01, meta={"device": "cpu"}
+    )
     p = tmp_path / "prof.json"
     m.save(p)
     m2 = WorkloadModel.from_profile(p)

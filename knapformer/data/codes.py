@@ -26,8 +26,7 @@ MIXES: dict[str, str] = {
     "paper-lowres": "g32b32i256f1s0",
     "paper-mixres": "g16b4i256f1s0,g4b5i512f1s0,g4b5i1024f1s0,g8b1i2048f1s0",
     "paper-joint": (
-        "g8b4i256f1s0,g2b5i512f1s0,g2b5i1024f1s0,g4b1i2048f1s0,"
-        "g1b10i256f4s0,g3b1i512f4s0,g8b2i256f85s1,g4b1i512f85s1"
+        "g8b4i256f1s0,g2b5i512f1s0,g2b5i1024f1s0,g4b1i2048f1s0,g1b10i256f4s0,g3b1i512f4s0,g8b2i256f85s1,g4b1i512f85s1"
     ),
 }
 """The paper's three data mixes (32 ranks each)."""

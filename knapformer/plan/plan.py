@@ -58,9 +58,7 @@ def chunk_table(problem: PlanProblem, seq_bag: np.ndarray) -> np.ndarray:
     start = csum_len - length - seq_first
     dst = problem.bag_rank_matrix[seq_bag[seq_of_row], pos]
     keep = length > 0
-    table = np.stack(
-        [problem.src_rank[seq_of_row], problem.seq_index[seq_of_row], start, length, dst], axis=1
-    )[keep]
+    table = np.stack([problem.src_rank[seq_of_row], problem.seq_index[seq_of_row], start, length, dst], axis=1)[keep]
     return np.ascontiguousarray(table, dtype=np.int64)
 
 
@@ -264,7 +262,6 @@ def build_plan(problem: PlanProblem, seq_bag: np.ndarray, *, solver: str, plan_s
         worst = int(np.argmax(tok)) if tok.size else 0
         if tok.size and tok[worst] > cap:
             raise ValueError(
-                f"solver {solver!r} put {int(tok[worst])} tokens on rank {worst}, over "
-                f"max_tokens_per_rank={cap}"
+                f"solver {solver!r} put {int(tok[worst])} tokens on rank {worst}, over max_tokens_per_rank={cap}"
             )
     return plan

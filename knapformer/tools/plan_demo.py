@@ -27,7 +27,10 @@ def run_demo(out: Path, *, seed: int = 0, d_model: int = 3072) -> list[dict]:
     model = WorkloadModel(d_model=d_model)
     plan_sequences([[1], [1]], "g1n2", model)  # warm numpy code paths before timing
     rows, chart = [], {}
-    header = f"{'mix':13s} {'layout':7s} {'solver':6s} {'imb before':>10s} {'imb after':>10s} {'/bound':>8s} {'moved':>9s} {'ms':>7s}"
+    header = (
+        f"{'mix':13s} {'layout':7s} {'solver':6s} {'imb before':>10s} {'imb after':>10s} "
+        f"{'/bound':>8s} {'moved':>9s} {'ms':>7s}"
+    )
     print(header)
     print("-" * len(header))
     for mix in MIXES:
@@ -40,7 +43,8 @@ def run_demo(out: Path, *, seed: int = 0, d_model: int = 3072) -> list[dict]:
                 rows.append({"mix": mix, "layout": layout, "solver": solver, **st})
                 print(
                     f"{mix:13s} {layout:7s} {solver:6s} {st['imbalance_before']:10.4f} "
-                    f"{st['imbalance_after']:10.5f} {st['gap_to_bound']:8.5f} {plan.tokens_moved:9d} {st['plan_ms']:7.2f}"
+                    f"{st['imbalance_after']:10.5f} {st['gap_to_bound']:8.5f} {plan.tokens_moved:9d} "
+                    f"{st['plan_ms']:7.2f}"
                 )
                 if (mix, layout) == CHART:
                     chart.setdefault("before", plan.time_before)

@@ -48,7 +48,9 @@ def paper_assignment(problem: PlanProblem) -> np.ndarray:
     # eligibility is static (capacity and size vs the sequence), so compute it in one pass
     elig = (caps[None, :] >= work[order][:, None]) & (sizes[None, :] <= lengths[order][:, None])
     masks = elig @ (1 << np.arange(len(classes)))
-    by_mask = {int(m): tuple(int(i) for i in np.flatnonzero(row)) or largest for m, row in zip(*np.unique(masks, return_index=True)) for row in [elig[row]]}
+    by_mask = {}  # eligibility bitmask -> eligible class ids (empty -> the largest bags)
+    for m, first in zip(*np.unique(masks, return_index=True)):
+        by_mask[int(m)] = tuple(int(i) for i in np.flatnonzero(elig[first])) or largest
     caps_l, work_l = caps.tolist(), work.tolist()
     for g, m in zip(order.tolist(), masks.tolist()):
         w = work_l[g]

@@ -1,0 +1,111 @@
+"""Varlen attention over packed sequences: ``q, k, v`` (N, h, D) with ``cu_seqlens``.
+
+Backends share one signature (:class:`VarlenAttention`) and one conformance test:
+
+- ``sdpa``: one ``scaled_dot_product_attention`` call per sequence. Exact, works everywhere,
+  and measured fastest on CPU (the block-diagonal mask wastes work on masked blocks).
+- ``sdpa_mask``: one SDPA call with a block-diagonal boolean mask (kept as a reference and
+  for tiny batches of many sequences).
+- ``flash``: flash-attn's ``flash_attn_varlen_func`` — CUDA only, imported on first use.
+
+``auto`` picks ``flash`` for CUDA tensors when flash-attn imports, else ``sdpa``. No CUDA or
+flash-attn import happens when this module is imported.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["VarlenAttention", "BACKENDS", "varlen_attention", "available_backends", "flash_available"]
+
+
+class VarlenAttention(Protocol):
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, *, causal: bool
+    ) -> torch.Tensor: ...
+
+
+def _bounds(cu_seqlens: torch.Tensor) -> list[int]:
+    return cu_seqlens.tolist()
+
+
+def sdpa_per_sequence(q, k, v, cu_seqlens, max_len, *, causal):
+    """(N, h, D) -> (N, h, D): one SDPA per sequence."""
+    cu = _bounds(cu_seqlens)
+    outs = []
+    for s, e in zip(cu[:-1], cu[1:]):
+        if e == s:
+            continue
+        qs, ks, vs = (t[s:e].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)[0].transpose(0, 1))
+    if not outs:
+        return q.new_zeros(q.shape) + 0 * (q.sum() + k.sum() + v.sum())  # keep the graph connected
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+def sdpa_block_diagonal(q, k, v, cu_seqlens, max_len, *, causal):
+    """(N, h, D) -> (N, h, D): one SDPA call with a block-diagonal (and causal) mask."""
+    N = q.shape[0]
+    if N == 0:
+        return q.new_zeros(q.shape) + 0 * (q.sum() + k.sum() + v.sum())
+    lens = torch.diff(cu_seqlens.to(torch.int64))
+    seg = torch.repeat_interleave(torch.arange(lens.numel(), device=q.device), lens.to(q.device))
+    mask = seg[:, None] == seg[None, :]
+    if causal:
+        mask &= torch.ones(N, N, dtype=torch.bool, device=q.device).tril()
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), attn_mask=mask
+    )
+    return out[0].transpose(0, 1)
+
+
+@functools.cache
+def flash_available() -> bool:
+    """flash-attn importable and a CUDA device present (checked once, on first use)."""
+    try:
+        import flash_attn  # noqa: F401
+    except Exception:
+        return False
+    return torch.cuda.is_available()
+
+
+def flash_varlen(q, k, v, cu_seqlens, max_len, *, causal):
+    """(N, h, D) -> (N, h, D) via flash-attn's varlen kernel (CUDA, fp16/bf16)."""
+    from flash_attn import flash_attn_varlen_func
+
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    return flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=causal)
+
+
+BACKENDS: dict[str, VarlenAttention] = {
+    "sdpa": sdpa_per_sequence,
+    "sdpa_mask": sdpa_block_diagonal,
+    "flash": flash_varlen,
+}
+
+
+def available_backends(device: torch.device) -> dict[str, str | None]:
+    """Backend name -> None if usable on ``device``, else the reason it is not."""
+    out: dict[str, str | None] = {"sdpa": None, "sdpa_mask": None}
+    if device.type != "cuda":
+        out["flash"] = "flash-attn needs CUDA tensors"
+    elif not flash_available():
+        out["flash"] = "flash-attn is not importable"
+    else:
+        out["flash"] = None
+    return out
+
+
+def varlen_attention(q, k, v, cu_seqlens, max_len: int, *, causal: bool = False, backend: str = "auto") -> torch.Tensor:
+    """Attention within each packed sequence; ``backend`` is a key of :data:`BACKENDS` or auto."""
+    if backend == "auto":
+        backend = "flash" if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and flash_available() else "sdpa"
+    try:
+        fn = BACKENDS[backend]
+    except KeyError:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {sorted(BACKENDS)} or 'auto'") from None
+    return fn(q, k, v, cu_seqlens, max_len, causal=causal)

@@ -1,0 +1,9 @@
+"""Test helpers shipped with the package: a multi-process spawner and single-process references.
+
+Main API: :func:`run_distributed`, :func:`reference_attention`.
+"""
+
+from knapformer.testing.dist import free_port, run_distributed
+from knapformer.testing.reference import reference_attention
+
+__all__ = ["free_port", "reference_attention", "run_distributed"]
