@@ -11,6 +11,10 @@ Starts (each polished by :func:`~knapformer.plan.solvers.refine.local_search`):
   overflow is inserted LPT-style. Few tokens move when the input is nearly balanced.
 - **paper**: the paper's rule, so the result is never worse than the baseline.
 
+Inputs of at most 40 sequences whose best plan is still above ``stop_gap`` then go through a
+node-bounded branch and bound (:mod:`~knapformer.plan.solvers.bnb`), which proves the optimum
+on most of them.
+
 The winner has the lowest exact makespan; plans within ``tie_tolerance`` (default 1e-4
 relative — below what anyone can measure) count as tied (never above the paper's makespan).
 Local search stops once within ``stop_gap`` of the lower bound (5e-5 up to 2,048 sequences,
@@ -27,6 +31,7 @@ import numpy as np
 
 from knapformer.plan.plan import Plan, build_plan
 from knapformer.plan.problem import PlanProblem
+from knapformer.plan.solvers.bnb import branch_and_bound
 from knapformer.plan.solvers.paper import _stamp, bag_classes, paper_assignment
 from knapformer.plan.solvers.refine import fits_cap, local_search, relabel_for_locality
 
@@ -185,5 +190,10 @@ def solve_lpt(problem: PlanProblem, *, time_budget_s: float | None = None) -> Pl
     if not candidates:
         raise ValueError(f"no plan found under max_tokens_per_rank={problem.max_tokens_per_rank}")
     best = min(candidates, key=lambda p: p.makespan)
+    if best.makespan > stop_at:  # small inputs: search exactly from the best plan so far
+        exact = branch_and_bound(problem, best.seq_bag, max_nodes=int(problem.extra.get("bnb_nodes", 20_000)))
+        if exact is not best.seq_bag:
+            candidates.append(build_plan(problem, relabel_for_locality(problem, exact), solver="lpt"))
+            best = min(candidates, key=lambda p: p.makespan)
     tied = [p for p in candidates if p.makespan <= min(best.makespan * (1 + tol), ceiling)]
     return _stamp(min(tied, key=lambda p: (p.tokens_moved, p.makespan)), t0)

@@ -1,0 +1,85 @@
+"""Depth-first branch and bound on the fluid makespan, for small inputs.
+
+Local search gets stuck when a few large sequences dominate (2–3 per rank): the best plan
+then needs coordinated changes no single move or swap makes. For up to ``MAX_ITEMS``
+sequences we search assignments exactly: sequences by decreasing work, each tried in every
+bag that keeps the bag's time below the incumbent; interchangeable bags (same class, same
+load) are tried once; a branch is cut when even perfectly even spreading of the rest cannot
+beat the incumbent. A node budget (not a clock) bounds the search so all ranks agree.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from knapformer.plan.problem import PlanProblem
+
+__all__ = ["branch_and_bound", "MAX_ITEMS"]
+
+MAX_ITEMS = 40
+_EPS = 1e-12
+
+
+def branch_and_bound(problem: PlanProblem, incumbent: np.ndarray, *, max_nodes: int = 20_000) -> np.ndarray:
+    """Return an assignment no worse than ``incumbent`` (optimal if the budget suffices)."""
+    n, B = problem.num_seqs, len(problem.bags)
+    if n == 0 or n > MAX_ITEMS or B < 2:
+        return incumbent
+    order = np.argsort(-problem.work, kind="stable")
+    w = problem.work[order].tolist()
+    L = problem.lengths[order].tolist()
+    kap = problem.bag_capacity.tolist()
+    size = problem.bag_size.tolist()
+    cap = problem.max_tokens_per_rank
+    cls = [(size[b], kap[b]) for b in range(B)]
+    total_kap = sum(kap)
+    suffix = np.concatenate([np.cumsum(np.asarray(w)[::-1])[::-1], [0.0]]).tolist()
+    inc_load = np.bincount(incumbent, weights=problem.work, minlength=B)
+    best = [float((inc_load / problem.bag_capacity).max())]
+    best_assign: list[list[int] | None] = [None]
+    floor = problem.lower_bound
+    load = [0.0] * B
+    tok = [0] * B
+    assign = [0] * n
+    nodes = [0]
+
+    def dfs(i: int, cur_max: float) -> bool:
+        """Returns True when the search must stop (budget, or the bound is reached)."""
+        if i == n:
+            if cur_max < best[0] * (1 - _EPS):
+                best[0] = cur_max
+                best_assign[0] = assign.copy()
+            return best[0] <= floor * (1 + 1e-9)
+        nodes[0] += 1
+        if nodes[0] > max_nodes:
+            return True
+        if max(cur_max, (sum(load) + suffix[i]) / total_kap) >= best[0] * (1 - _EPS):
+            return False
+        tried: set = set()
+        cand = sorted(range(B), key=lambda b: ((load[b] + w[i]) / kap[b], b))
+        for b in cand:
+            key = (cls[b], load[b], tok[b])
+            if key in tried:
+                continue
+            tried.add(key)
+            t = (load[b] + w[i]) / kap[b]
+            if t >= best[0] * (1 - _EPS):
+                break  # candidates are sorted by this time
+            if cap is not None and -(-(tok[b] + L[i]) // size[b]) > cap:
+                continue
+            load[b] += w[i]
+            tok[b] += L[i]
+            assign[i] = b
+            stop = dfs(i + 1, max(cur_max, t))
+            load[b] -= w[i]
+            tok[b] -= L[i]
+            if stop:
+                return True
+        return False
+
+    dfs(0, 0.0)
+    if best_assign[0] is None:
+        return incumbent
+    out = np.empty(n, dtype=np.int64)
+    out[order] = best_assign[0]
+    return out
