@@ -21,7 +21,7 @@ demo: setup
 	$(PY) -m knapformer.tools.plan_demo --out runs/demo
 
 test: setup
-	$(PY) -m ruff check knapformer tests benchmarks
+	$(PY) -m ruff check knapformer tests benchmarks examples
 	$(PY) -m pytest -q
 
 bench: setup
