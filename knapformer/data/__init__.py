@@ -1,6 +1,7 @@
-"""Synthetic data: data codes, the paper's mixes and per-rank batches (numpy only).
+"""Synthetic data: data codes, the paper's mixes and per-rank batches.
 
-Main API: :data:`MIXES`, :func:`sample_seq_lens`, :func:`sample_batches`, :func:`parse_codes`.
+Main API: :data:`MIXES`, :func:`sample_seq_lens`, :func:`sample_batches`, :func:`parse_codes`
+(numpy only); :func:`knapformer.data.batches.make_batch` builds torch tensors (imported on use).
 """
 
 from knapformer.data.codes import (

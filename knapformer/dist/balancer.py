@@ -217,6 +217,15 @@ class SequenceBalancer:
         o2 = varlen_attention(q2, k2, v2, cu, max_len, causal=causal, backend=self.attn_backend)
         return self.post_attn(o2)
 
+    def gather_sequences(self, *per_seq: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Per-sequence rows of every rank of the group, in group sequence-id order: (n_local,
+        *F) each -> (n_group, *F), indexable by ``routed_positions()[0]``. Differentiable; one
+        collective per dtype. Use it for conditioning (timestep/AdaLN vectors, text lengths)."""
+        plan, spec = self._require_spec()
+        counts = [len(r) for r in plan.seq_lens]
+        self._check_rows(per_seq, counts[self.group_rank], "gather_sequences")
+        return tuple(ops.gather_sequences(per_seq, counts, self.group_rank, self.group))
+
     def routed_positions(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Per routed token: global sequence id in the group (rank-major) and position (int64)."""
         _, spec = self._require_spec()

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from knapformer.dist.spec import RouteSpec
 
-__all__ = ["all_to_all", "route", "reverse_route", "pre_attn", "post_attn", "check_heads"]
+__all__ = ["all_to_all", "route", "reverse_route", "pre_attn", "post_attn", "check_heads", "gather_sequences"]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -97,6 +97,17 @@ def reverse_route(tensors: Sequence[torch.Tensor], spec: RouteSpec, group=None) 
     return _packed_exchange(
         tensors, spec.recv_splits, spec.send_splits, group,
         before=lambda t: t, after=lambda t: t.index_select(0, idx["send_inverse"]),
+    )
+
+
+def gather_sequences(tensors: Sequence[torch.Tensor], counts: list[int], rank: int, group=None) -> list[torch.Tensor]:
+    """Per-sequence rows (n_rank, *F) from every rank -> (sum(counts), *F) in group order.
+    One all-to-all that sends this rank's rows to every rank; backward sums the gradients
+    each copy received (an all-gather whose backward works on gloo too)."""
+    S = len(counts)
+    return _packed_exchange(
+        tensors, [counts[rank]] * S, list(counts), group,
+        before=lambda t: t.repeat(S, *([1] * (t.dim() - 1))), after=lambda t: t,
     )
 
 
