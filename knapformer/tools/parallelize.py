@@ -50,10 +50,9 @@ def fsdp_available() -> bool:
 
 def apply_fsdp(model: nn.Module, group=None) -> nn.Module:
     """``fully_shard`` each block, then the root (gradients are averaged over the group)."""
+    import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
-
-    import torch.distributed as dist
 
     mesh = None
     if group is not None and group is not dist.group.WORLD:
