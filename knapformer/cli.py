@@ -1,7 +1,8 @@
 """The ``knapformer`` command line.
 
     knapformer plan --input lens.json --bags g1n4+g2n2 [--solver lpt] [--output plan.json]
-    knapformer demo [--out runs/demo]
+    knapformer simulate [--ranks 2] [--mix ...] [--bags ...] [--model ...] [--report FILE]
+    knapformer demo [--out runs/demo]          (the planner demo; `make demo` runs the simulator)
 
 Bad input exits with status 2 and one line on stderr (no traceback).
 """
@@ -83,6 +84,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from knapformer.tools.simulate import run_cli
+
+    return run_cli(args)
+
+
 def _positive_int(text: str) -> int:
     try:
         v = int(text)
@@ -107,6 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--max-tokens", type=_positive_int, default=None, help="memory cap: tokens per rank")
     pl.add_argument("--output", help="write the plan as JSON here instead of printing a summary")
     pl.set_defaults(func=cmd_plan)
+    from knapformer.tools.sim_config import build_parser as simulate_parser
+
+    si = sub.add_parser("simulate", help="train a reference DiT with and without balancing and compare")
+    simulate_parser(si)
+    si.set_defaults(func=cmd_simulate)
     de = sub.add_parser("demo", help="plan the paper's mixes and write a table and a chart")
     de.add_argument("--out", default="runs/demo", help="output folder")
     de.set_defaults(func=cmd_demo)

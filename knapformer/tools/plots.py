@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["plot_rank_work"]
+__all__ = ["plot_rank_work", "plot_step_times"]
 
 
 def _plt():
@@ -35,6 +35,21 @@ def plot_rank_work(path: str | Path, title: str, series: dict[str, np.ndarray], 
     ax.set_title(title)
     ax.set_xticks(x)
     ax.tick_params(axis="x", labelsize=7)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_step_times(path: str | Path, series: dict[str, list[float]]) -> None:
+    """Step time per measured step, one line per run."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    for name, v in series.items():
+        ax.plot(range(1, len(v) + 1), v, marker="o", label=f"{name} (mean {np.mean(v):.3f} s)")
+    ax.set_xlabel("measured step")
+    ax.set_ylabel("step time (s)")
+    ax.set_ylim(bottom=0)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -1,0 +1,93 @@
+"""Simulator configuration and CLI flags (torch-free, so `knapformer --help` stays light)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from knapformer.data.codes import mix_num_ranks, resolve_mix
+
+__all__ = ["DEMO_MIX", "SimConfig", "build_parser", "config_from_args"]
+
+DEMO_MIX = "g1b8i256f1s0,g1b1i1024f3s0"
+"""Two ranks: 8 small images vs one 1024² three-frame clip (CPU demo, with ``--scale 2``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimConfig:
+    """Simulator options (the CLI flags mirror these fields)."""
+
+    ranks: int = 2
+    """Processes to spawn (ignored under torchrun: the world size is used)."""
+    mix: str = DEMO_MIX
+    """Mix name (paper-lowres, paper-mixres, paper-joint) or data codes; tiled over the ranks."""
+    scale: int = 2
+    """Resolution divisor so a CPU run keeps the mix's shape at 1/scale² of the tokens."""
+    bags: str | None = None
+    """Bag layout of the balanced run; None = one bag of all ranks (g{ranks}n1)."""
+    model: str = "mmdit-small"
+    """Model preset (see knapformer.models.PRESETS)."""
+    steps: int = 6
+    """Measured steps per run."""
+    warmup: int = 2
+    """Unmeasured steps per run before measuring."""
+    seed: int = 0
+    gamma: float = 2.0
+    """γ of the paper cost form used for planning (CPU ≈ 2 for d=128..256; ignored with profile)."""
+    profile: str | None = None
+    """Workload profile JSON (from the calibrator) instead of γ."""
+    device: str = "cpu"
+    """cpu (gloo) or cuda (NCCL)."""
+    checkpointing: bool = False
+    """Activation checkpointing per block (counts recompute FLOPs in HFU)."""
+    peak_tflops: float | None = None
+    """Peak per rank for HFU; None = measured with a matmul probe."""
+    dtype: str = "float32"
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.ranks < 1:
+            raise ValueError(f"ranks must be >= 1, got {self.ranks}")
+        if self.steps < 1 or self.warmup < 0:
+            raise ValueError(f"steps must be >= 1 and warmup >= 0 (got {self.steps}, {self.warmup})")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        codes = resolve_mix(self.mix)  # raises on malformed codes
+        if self.ranks % mix_num_ranks(codes):
+            raise ValueError(
+                f"mix {self.mix!r} describes {mix_num_ranks(codes)} ranks; {self.ranks} ranks is not a multiple"
+            )
+
+
+def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    p = p or argparse.ArgumentParser(prog="knapformer simulate", description=__doc__.splitlines()[0])
+    d = SimConfig()
+    p.add_argument("--ranks", type=int, default=d.ranks, help="ranks to spawn on this machine (not under torchrun)")
+    p.add_argument("--mix", default=d.mix, help="mix name or data codes g{G}b{B}i{R}f{F}s{S},...")
+    p.add_argument("--scale", type=int, default=d.scale, help="resolution divisor for CPU runs")
+    p.add_argument("--bags", default=d.bags, help="bag layout of the balanced run (default: one bag of all ranks)")
+    p.add_argument("--model", default=d.model, help="model preset: mmdit-tiny, mmdit-small, transformer-tiny, flux")
+    p.add_argument("--steps", type=int, default=d.steps, help="measured steps")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="warm-up steps (not measured)")
+    p.add_argument("--seed", type=int, default=d.seed, help="data and weight seed")
+    p.add_argument("--gamma", type=float, default=d.gamma, help="γ of the planning cost model")
+    p.add_argument("--profile", default=None, help="workload profile JSON (overrides --gamma)")
+    p.add_argument("--device", default=d.device, choices=["cpu", "cuda"], help="cpu (gloo) or cuda (NCCL)")
+    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing per block")
+    p.add_argument("--peak-tflops", type=float, default=None, help="peak TFLOP/s per rank for HFU (default: probe)")
+    p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])
+    p.add_argument("--no-progress", action="store_true", help="no progress line")
+    p.add_argument("--report", default=None, help="write the JSON report here")
+    p.add_argument("--plot-dir", default=None, help="write PNG charts here")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    return SimConfig(
+        ranks=args.ranks, mix=args.mix, scale=args.scale, bags=args.bags, model=args.model, steps=args.steps,
+        warmup=args.warmup, seed=args.seed, gamma=args.gamma, profile=args.profile, device=args.device,
+        checkpointing=args.checkpointing, peak_tflops=args.peak_tflops, dtype=args.dtype,
+        progress=not args.no_progress,
+    )

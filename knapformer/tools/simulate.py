@@ -1,0 +1,314 @@
+"""Training simulator: real steps of a reference DiT with and without balancing, measured.
+
+    knapformer simulate                                   # 2 CPU ranks, built-in demo mix
+    knapformer simulate --ranks 4 --mix paper-mixres --scale 8 --bags g1n2+g2n1 --steps 6
+    torchrun --nproc-per-node 8 -m knapformer.tools.simulate --device cuda \\
+        --model flux --mix paper-joint --bags g8n1 --steps 10          # GPUs, NCCL
+
+Both runs (unbalanced data parallel, and balanced) start from the same weights and see the
+same batches; steps are interleaved (one unbalanced, one balanced) so machine noise hits both.
+Per step and rank we record: wall time (barrier to barrier), busy time of forward + backward
+(thread CPU time on CPU, CUDA events on GPU), loss, and the plan's predicted imbalance.
+Reported: step time, tokens/s, HFU, busy max/mean, speedup, ideal speedup (unbalanced
+busy max/mean), and whether the losses of the two runs match.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from knapformer.data.batches import make_batch
+from knapformer.models import LocalExecutor, MMDiT, build_model, preset
+from knapformer.tools.sim_config import DEMO_MIX, SimConfig, build_parser, config_from_args
+from knapformer.workload import WorkloadModel
+
+__all__ = ["SimConfig", "simulate", "main", "DEMO_MIX"]
+
+
+
+def _probe_peak(device: torch.device, dtype: torch.dtype) -> float:
+    """Sustained matmul FLOP/s of this rank (one thread on CPU)."""
+    n = 1024 if device.type == "cpu" else 8192
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    reps = 5 if device.type == "cpu" else 50
+    _sync(device)
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    _sync(device)
+    return 2 * n**3 * reps / (time.perf_counter() - t)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _BusyTimer:
+    """Busy time of the measured region: thread CPU time on CPU, CUDA events on GPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.thread_time()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            self.end.record()
+            self.end.synchronize()
+            self.seconds = self.start.elapsed_time(self.end) / 1e3
+        else:
+            self.seconds = time.thread_time() - self.t0
+
+
+def _forward(model, batch, executor):
+    core = getattr(model, "module", model)
+    if isinstance(core, MMDiT):
+        return model(batch.x, batch.seq_lens, batch.txt_lens, batch.t, batch.vec, executor=executor)
+    return model(batch.x, batch.seq_lens, executor=executor)
+
+
+def _sync_grads(model: torch.nn.Module, world: int) -> None:
+    """Average gradients over ranks: plain data parallel with one flat all-reduce (what DDP's
+    bucketing does), identical for both runs."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    grads = [p.grad for p in model.parameters()]
+    flat = _flatten_dense_tensors(grads)
+    dist.all_reduce(flat)
+    flat.div_(world)
+    for g, s in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        g.copy_(s)
+
+
+def _worker(rank: int, world: int, cfg: SimConfig) -> dict:
+    from knapformer.dist import SequenceBalancer
+    from knapformer.tools.parallelize import apply_checkpointing
+
+    torch.set_num_threads(1) if cfg.device == "cpu" else None
+    device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
+    dtype = getattr(torch, cfg.dtype)
+    mcfg = preset(cfg.model)
+    torch.manual_seed(cfg.seed)
+    base = build_model(mcfg).to(device=device, dtype=dtype)
+    if cfg.checkpointing:
+        apply_checkpointing(base)
+    models = {"unbalanced": base, "balanced": copy.deepcopy(base)}
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
+    cost = (
+        WorkloadModel.from_profile(cfg.profile)
+        if cfg.profile
+        else WorkloadModel(d_model=mcfg.dim, gamma=cfg.gamma, num_layers=mcfg.num_layers)
+    )
+    if cost.d_model != mcfg.dim:
+        raise ValueError(f"profile d_model {cost.d_model} does not match model {cfg.model!r} (dim {mcfg.dim})")
+    bags = cfg.bags or f"g{world}n1"
+    bal = SequenceBalancer(bags, cost)
+    flops_model = WorkloadModel(d_model=mcfg.dim, num_layers=mcfg.num_layers)
+    peak = cfg.peak_tflops * 1e12 if cfg.peak_tflops else _probe_peak(device, dtype)
+    records = []
+    total_steps = cfg.warmup + cfg.steps
+    for step in range(total_steps):
+        batch = make_batch(
+            cfg.mix, rank=rank, num_ranks=world, step=step, seed=cfg.seed, scale=cfg.scale,
+            in_dim=mcfg.in_dim, vec_dim=getattr(mcfg, "vec_dim", 1), out_dim=mcfg.out_dim, dtype=dtype,
+        )
+        batch = _to(batch, device)
+        counts = torch.tensor([batch.num_tokens], dtype=torch.int64, device=device)
+        dist.all_reduce(counts)
+        global_tokens = int(counts)
+        for mode in ("unbalanced", "balanced"):
+            model, opt = models[mode], opts[mode]
+            dist.barrier()
+            _sync(device)
+            wall0 = time.perf_counter()
+            plan_t = time.perf_counter()
+            if mode == "balanced":
+                plan = bal.plan(batch.seq_lens)
+                executor = bal
+            else:
+                executor = LocalExecutor(batch.seq_lens)
+            plan_s = time.perf_counter() - plan_t
+            fb0 = time.perf_counter()
+            with _BusyTimer(device) as busy:
+                out = _forward(model, batch, executor)
+                loss = ((out.float() - batch.target.float()) ** 2).sum() / global_tokens
+                loss.backward()
+            _sync(device)
+            fb_wall = time.perf_counter() - fb0
+            _sync_grads(model, world)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            _sync(device)
+            dist.barrier()
+            wall = time.perf_counter() - wall0
+            loss_t = loss.detach().reshape(1).to(torch.float64)
+            dist.all_reduce(loss_t)
+            rec = {"step": step, "mode": mode, "wall": wall, "busy": busy.seconds, "loss": float(loss_t),
+                   "plan_s": plan_s, "fwd_bwd_wall": fb_wall, "tokens": batch.num_tokens,
+                   "flops": float(sum(flops_model.flops(n, recompute=cfg.checkpointing) for n in batch.seq_lens))}
+            if mode == "balanced":
+                rec["pred_before"] = plan.imbalance_before
+                rec["pred_after"] = plan.imbalance_after
+            records.append(rec)
+        if rank == 0 and cfg.progress:
+            print(f"\rstep {step + 1}/{total_steps}", end="" if step + 1 < total_steps else "\n", file=sys.stderr,
+                  flush=True)
+    return {"rank": rank, "records": records, "peak": peak}
+
+
+def _to(batch, device):
+    if device.type == "cpu":
+        return batch
+    for name in ("txt_lens", "x", "t", "vec", "target"):
+        setattr(batch, name, getattr(batch, name).to(device))
+    return batch
+
+
+def summarize(cfg: SimConfig, per_rank: list[dict]) -> dict:
+    """Aggregate per-rank records into the report (pure; unit-testable)."""
+    world = len(per_rank)
+    measured = lambda r: r["step"] >= cfg.warmup  # noqa: E731
+    report: dict = {"config": asdict(cfg), "world": world, "modes": {}}
+    steps = sorted({r["step"] for r in per_rank[0]["records"] if measured(r)})
+    peak = sum(p["peak"] for p in per_rank)
+    for mode in ("unbalanced", "balanced"):
+        rows = {(p["rank"], r["step"]): r for p in per_rank for r in p["records"] if r["mode"] == mode and measured(r)}
+        wall = [max(rows[(k, s)]["wall"] for k in range(world)) for s in steps]
+        busy = [[rows[(k, s)]["busy"] for k in range(world)] for s in steps]
+        tokens = [sum(rows[(k, s)]["tokens"] for k in range(world)) for s in steps]
+        flops = [sum(rows[(k, s)]["flops"] for k in range(world)) for s in steps]
+        m = {
+            "step_time": statistics.mean(wall),
+            "step_times": wall,
+            "tokens_per_s": sum(tokens) / sum(wall),
+            "hfu": sum(flops) / (sum(wall) * peak),
+            "busy_per_rank": [statistics.mean(b[k] for b in busy) for k in range(world)],
+            "busy_max_over_mean": sum(max(b) for b in busy) / sum(statistics.mean(b) for b in busy),
+            "loss": [rows[(0, s)]["loss"] for s in steps],
+            "plan_ms": 1e3 * statistics.mean(rows[(0, s)]["plan_s"] for s in steps),
+            "fwd_bwd_wall_per_rank": [
+                statistics.mean(rows[(k, s)]["fwd_bwd_wall"] for s in steps) for k in range(world)
+            ],
+        }
+        if mode == "balanced":
+            m["predicted_imbalance_before"] = statistics.mean(rows[(0, s)]["pred_before"] for s in steps)
+            m["predicted_imbalance_after"] = statistics.mean(rows[(0, s)]["pred_after"] for s in steps)
+        report["modes"][mode] = m
+    u, b = report["modes"]["unbalanced"], report["modes"]["balanced"]
+    report["speedup"] = u["step_time"] / b["step_time"]
+    report["ideal_speedup"] = u["busy_max_over_mean"]
+    report["speedup_over_ideal"] = report["speedup"] / report["ideal_speedup"]
+    diffs = [abs(x - y) / max(abs(x), 1e-12) for x, y in zip(u["loss"], b["loss"])]
+    report["loss_max_rel_diff"] = max(diffs)
+    report["loss_match"] = report["loss_max_rel_diff"] < 1e-4
+    report["peak_flops_per_rank"] = peak / world
+    return report
+
+
+def format_report(rep: dict) -> str:
+    u, b = rep["modes"]["unbalanced"], rep["modes"]["balanced"]
+    c = rep["config"]
+    bags = c["bags"] or f"g{rep['world']}n1"
+    lines = [
+        f"model {c['model']}  ranks {rep['world']}  mix {c['mix']} (scale {c['scale']})  "
+        f"bags {bags}  steps {c['steps']} (+{c['warmup']} warm-up)",
+        f"{'':28s}{'unbalanced':>14s}{'balanced':>14s}",
+        f"{'step time (s)':28s}{u['step_time']:14.3f}{b['step_time']:14.3f}",
+        f"{'tokens/s':28s}{u['tokens_per_s']:14.0f}{b['tokens_per_s']:14.0f}",
+        f"{'HFU':28s}{u['hfu']:14.2%}{b['hfu']:14.2%}",
+        f"{'busy time max/mean':28s}{u['busy_max_over_mean']:14.3f}{b['busy_max_over_mean']:14.3f}",
+        f"{'busy time per rank (s)':28s}{_fmt(u['busy_per_rank']):>14s}{_fmt(b['busy_per_rank']):>14s}",
+        f"{'predicted imbalance':28s}{b['predicted_imbalance_before']:14.3f}{b['predicted_imbalance_after']:14.3f}",
+        f"{'planning (ms)':28s}{'':14s}{b['plan_ms']:14.2f}",
+        f"speedup {rep['speedup']:.3f}x   ideal {rep['ideal_speedup']:.3f}x   "
+        f"({rep['speedup_over_ideal']:.1%} of ideal)   loss match: {rep['loss_match']} "
+        f"(max rel diff {rep['loss_max_rel_diff']:.1e})",
+    ]
+    return "\n".join(lines)
+
+
+def _fmt(values: list[float]) -> str:
+    return "/".join(f"{v:.2f}" for v in values) if len(values) <= 4 else f"{min(values):.2f}..{max(values):.2f}"
+
+
+def write_outputs(rep: dict, report_path: str | None, plot_dir: str | None) -> None:
+    if report_path:
+        Path(report_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(report_path).write_text(json.dumps(rep, indent=1) + "\n")
+        print(f"wrote {report_path}")
+    if plot_dir:
+        from knapformer.tools.plots import plot_rank_work, plot_step_times
+
+        Path(plot_dir).mkdir(parents=True, exist_ok=True)
+        u, b = rep["modes"]["unbalanced"], rep["modes"]["balanced"]
+        plot_rank_work(Path(plot_dir) / "busy_per_rank.png", "measured busy time per rank (fwd+bwd, mean per step)",
+                       {"unbalanced": u["busy_per_rank"], "balanced": b["busy_per_rank"]}, ylabel="seconds")
+        plot_step_times(Path(plot_dir) / "step_time.png", {"unbalanced": u["step_times"], "balanced": b["step_times"]})
+        print(f"wrote {plot_dir}/busy_per_rank.png and {plot_dir}/step_time.png")
+
+
+def simulate(cfg: SimConfig) -> dict:
+    """Run the simulation on spawned ranks (or in this process under torchrun) -> report."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
+        backend = "nccl" if cfg.device == "cuda" else "gloo"
+        if cfg.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend)
+        world = dist.get_world_size()
+        if world != cfg.ranks:
+            from dataclasses import replace
+
+            cfg = replace(cfg, ranks=world)
+        mine = _worker(dist.get_rank(), world, cfg)
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, mine)
+        dist.destroy_process_group()
+        return summarize(cfg, gathered)
+    from knapformer.testing import run_distributed
+
+    per_rank = run_distributed(_worker, cfg.ranks, cfg, timeout=3600, backend="gloo" if cfg.device == "cpu" else "nccl")
+    return summarize(cfg, per_rank)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    preset(cfg.model)  # unknown presets fail before any process starts
+    rep = simulate(cfg)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(format_report(rep))
+        write_outputs(rep, args.report, args.plot_dir)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run_cli(args)
+    except ValueError as exc:
+        print(f"knapformer simulate: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

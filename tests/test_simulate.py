@@ -1,0 +1,73 @@
+"""The training simulator: report arithmetic, bad input, and a tiny real run on 2 gloo ranks."""
+
+import json
+
+import pytest
+
+from knapformer.cli import main
+from knapformer.tools.sim_config import SimConfig
+from knapformer.tools.simulate import format_report, simulate, summarize
+
+
+def _records(mode_times):
+    """Synthetic per-rank records: {mode: [[busy rank0, busy rank1] per step]} (wall = max busy)."""
+    per_rank = []
+    for rank in range(2):
+        recs = []
+        for mode, steps in mode_times.items():
+            for step, busy in enumerate(steps):
+                r = {"step": step, "mode": mode, "wall": max(busy), "busy": busy[rank], "loss": 1.0 + step,
+                     "plan_s": 0.001, "fwd_bwd_wall": busy[rank], "tokens": 100, "flops": 1e9}
+                if mode == "balanced":
+                    r.update(pred_before=0.5, pred_after=0.01)
+                recs.append(r)
+        per_rank.append({"rank": rank, "records": recs, "peak": 1e10})
+    return per_rank
+
+
+def test_summary_arithmetic():
+    cfg = SimConfig(steps=2, warmup=1)
+    rep = summarize(cfg, _records({"unbalanced": [[9, 9], [1, 3], [1, 3]], "balanced": [[9, 9], [2, 2.5], [2, 2.5]]}))
+    u, b = rep["modes"]["unbalanced"], rep["modes"]["balanced"]
+    assert u["step_time"] == 3 and b["step_time"] == 2.5  # warm-up step excluded
+    assert rep["speedup"] == pytest.approx(1.2)
+    assert rep["ideal_speedup"] == pytest.approx(1.5)  # 3 / mean(1, 3)
+    assert u["tokens_per_s"] == pytest.approx(400 / 6)
+    assert u["hfu"] == pytest.approx(4e9 / (6 * 2e10))
+    assert rep["loss_match"] and rep["loss_max_rel_diff"] == 0
+    assert "speedup 1.200x" in format_report(rep)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"ranks": 0}, "ranks must be >= 1"),
+        ({"steps": 0}, "steps must be >= 1"),
+        ({"device": "tpu"}, "device must be 'cpu' or 'cuda'"),
+        ({"mix": "g2b1i256"}, "malformed data code"),
+        ({"mix": "paper-lowres", "ranks": 2}, "describes 32 ranks; 2 ranks is not a multiple"),
+    ],
+)
+def test_bad_config(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SimConfig(**kwargs)
+
+
+def test_cli_rejects_unknown_model(capsys):
+    assert main(["simulate", "--model", "nope", "--no-progress"]) == 2
+    assert "unknown model preset 'nope'" in capsys.readouterr().err
+
+
+def test_tiny_run_on_two_ranks(tmp_path):
+    cfg = SimConfig(ranks=2, model="mmdit-tiny", mix="g1b3i128f1s0,g1b1i256f1s0", scale=2, steps=2, warmup=0,
+                    peak_tflops=0.01, progress=False)
+    rep = simulate(cfg)
+    assert rep["loss_match"], rep["loss_max_rel_diff"]
+    b = rep["modes"]["balanced"]
+    assert b["predicted_imbalance_after"] < b["predicted_imbalance_before"]
+    assert rep["speedup"] > 0 and rep["ideal_speedup"] >= 1
+    from knapformer.tools.simulate import write_outputs
+
+    write_outputs(rep, str(tmp_path / "r.json"), str(tmp_path))
+    assert json.loads((tmp_path / "r.json").read_text())["world"] == 2
+    assert (tmp_path / "busy_per_rank.png").stat().st_size > 0
