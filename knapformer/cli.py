@@ -90,6 +90,27 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return run_cli(args)
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from knapformer.tools.calibrate import run_cli
+
+    return run_cli(args)
+
+
+def _add_calibrate_args(p: argparse.ArgumentParser) -> None:
+    # mirrors knapformer.tools.calibrate.build_parser without importing torch here
+    p.add_argument("--model", required=True, help="model preset (mmdit-tiny, mmdit-small, transformer-tiny, flux)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--mode", default="fwd+bwd", choices=["fwd", "fwd+bwd"], help="what to time")
+    p.add_argument("--causal", action="store_true", help="causal attention (transformer presets)")
+    p.add_argument("--lengths", type=int, nargs="+", default=None, help="fit lengths (single sequences)")
+    p.add_argument("--holdout", type=int, nargs="+", default=None, help="held-out lengths (never fitted)")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats per batch (median)")
+    p.add_argument("--output", required=True, help="profile JSON to write")
+    p.add_argument("--plot", default=None, help="PNG of measured vs predicted")
+    p.add_argument("--report", default=None, help="JSON with every timing and error")
+    p.add_argument("--no-progress", action="store_true")
+
+
 def _positive_int(text: str) -> int:
     try:
         v = int(text)
@@ -119,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     si = sub.add_parser("simulate", help="train a reference DiT with and without balancing and compare")
     simulate_parser(si)
     si.set_defaults(func=cmd_simulate)
+    ca = sub.add_parser("calibrate", help="time the model's blocks and fit a workload profile")
+    _add_calibrate_args(ca)
+    ca.set_defaults(func=cmd_calibrate)
     de = sub.add_parser("demo", help="plan the paper's mixes and write a table and a chart")
     de.add_argument("--out", default="runs/demo", help="output folder")
     de.set_defaults(func=cmd_demo)
@@ -129,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (CliError, ValueError, TypeError) as exc:
+    except (CliError, ValueError, TypeError, OSError) as exc:
         print(f"knapformer {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

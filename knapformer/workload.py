@@ -59,6 +59,9 @@ class WorkloadModel:
     quadratic: float | None = None
     """Override of the quadratic coefficient (calibrated, already causal-adjusted);
     None = ``γ·4·d`` (halved when causal)."""
+    per_seq: float = 0.0
+    """Fixed cost per sequence on every rank that runs it (kernel launches, one attention call
+    per sequence); calibrated profiles fit it, the paper's form has none."""
     meta: dict = field(default_factory=dict, compare=False)
     """Free-form provenance (device, date, fit quality) carried through JSON."""
 
@@ -69,9 +72,9 @@ class WorkloadModel:
             raise ValueError(f"gamma must be a finite number >= 0, got {self.gamma!r}")
         if not isinstance(self.num_layers, int) or self.num_layers <= 0:
             raise ValueError(f"num_layers must be a positive int, got {self.num_layers!r}")
-        for name in ("linear", "quadratic"):
+        for name in ("linear", "quadratic", "per_seq"):
             v = getattr(self, name)
-            if v is not None and not (math.isfinite(v) and v >= 0):
+            if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} coefficient must be finite and >= 0, got {v!r}")
         if self.linear_coef == 0 and self.quad_coef == 0:
             raise ValueError("workload model has zero cost for every sequence")
@@ -101,11 +104,17 @@ class WorkloadModel:
 
     def cost(self, length: Any) -> Any:
         """Cost of a whole sequence on one rank."""
-        return self.lin(length) + self.quad(length)
+        return self.lin(length) + self.quad(length) + self.per_seq
 
     def chunk_cost(self, chunk_len: Any, seq_len: Any, bag_size: Any) -> Any:
-        """Cost on one bag rank of a chunk of ``chunk_len`` tokens of a ``seq_len`` sequence."""
-        return self.lin(chunk_len) + self.quad(seq_len) / np.asarray(bag_size, dtype=np.float64)
+        """Cost on one bag rank of a chunk of ``chunk_len`` tokens of a ``seq_len`` sequence
+        (every bag rank runs h/k heads of the whole sequence, and pays the per-sequence cost)."""
+        return self.lin(chunk_len) + self.quad(seq_len) / np.asarray(bag_size, dtype=np.float64) + self.per_seq
+
+    @property
+    def gamma_equivalent(self) -> float:
+        """γ that gives the paper form the same quadratic/linear ratio: ``6·d·quad/lin``."""
+        return 6.0 * self.d_model * self.quad_coef / self.linear_coef if self.linear_coef > 0 else math.inf
 
     # -- FLOPs ---------------------------------------------------------------------------
     def flops(self, length: Any, *, backward: bool = True, recompute: bool = False) -> Any:
@@ -120,6 +129,7 @@ class WorkloadModel:
         d = asdict(self)
         d["linear_coef"] = self.linear_coef
         d["quad_coef"] = self.quad_coef
+        d["gamma_equivalent"] = self.gamma_equivalent if math.isfinite(self.gamma_equivalent) else None
         return d
 
     @classmethod
@@ -127,8 +137,8 @@ class WorkloadModel:
         """Inverse of :meth:`to_dict`; unknown keys are an error (typos should not pass)."""
         if not isinstance(data, dict):
             raise ValueError(f"workload profile must be a JSON object, got {type(data).__name__}")
-        data = {k: v for k, v in data.items() if k not in ("linear_coef", "quad_coef")}
-        known = {"d_model", "gamma", "causal", "num_layers", "linear", "quadratic", "meta"}
+        data = {k: v for k, v in data.items() if k not in ("linear_coef", "quad_coef", "gamma_equivalent")}
+        known = {"d_model", "gamma", "causal", "num_layers", "linear", "quadratic", "per_seq", "meta"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown workload profile keys: {unknown}")
@@ -137,7 +147,8 @@ class WorkloadModel:
         return cls(**data)
 
     def save(self, path: str | Path) -> None:
-        """Write the profile as JSON."""
+        """Write the profile as JSON (creating parent folders)."""
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
 
     @classmethod

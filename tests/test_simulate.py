@@ -16,8 +16,17 @@ def _records(mode_times):
         recs = []
         for mode, steps in mode_times.items():
             for step, busy in enumerate(steps):
-                r = {"step": step, "mode": mode, "wall": max(busy), "busy": busy[rank], "loss": 1.0 + step,
-                     "plan_s": 0.001, "fwd_bwd_wall": busy[rank], "tokens": 100, "flops": 1e9}
+                r = {
+                    "step": step,
+                    "mode": mode,
+                    "wall": max(busy),
+                    "busy": busy[rank],
+                    "loss": 1.0 + step,
+                    "plan_s": 0.001,
+                    "fwd_bwd_wall": busy[rank],
+                    "tokens": 100,
+                    "flops": 1e9,
+                }
                 if mode == "balanced":
                     r.update(pred_before=0.5, pred_after=0.01)
                 recs.append(r)
@@ -59,8 +68,16 @@ def test_cli_rejects_unknown_model(capsys):
 
 
 def test_tiny_run_on_two_ranks(tmp_path):
-    cfg = SimConfig(ranks=2, model="mmdit-tiny", mix="g1b3i128f1s0,g1b1i256f1s0", scale=2, steps=2, warmup=0,
-                    peak_tflops=0.01, progress=False)
+    cfg = SimConfig(
+        ranks=2,
+        model="mmdit-tiny",
+        mix="g1b3i128f1s0,g1b1i256f1s0",
+        scale=2,
+        steps=2,
+        warmup=0,
+        peak_tflops=0.01,
+        progress=False,
+    )
     rep = simulate(cfg)
     assert rep["loss_match"], rep["loss_max_rel_diff"]
     b = rep["modes"]["balanced"]

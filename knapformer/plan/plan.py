@@ -64,10 +64,11 @@ def chunk_table(problem: PlanProblem, seq_bag: np.ndarray) -> np.ndarray:
 
 def rank_work(problem: PlanProblem, seq_bag: np.ndarray, chunks: np.ndarray) -> np.ndarray:
     """(S,) predicted work per rank: linear part of its tokens + its share of each bag
-    sequence's attention (ranks holding zero tokens of a sequence still run its heads)."""
+    sequence's attention + the per-sequence cost (ranks holding zero tokens of a sequence
+    still run its heads)."""
     S = problem.num_ranks
     lin = problem.model.lin(np.bincount(chunks[:, DST], weights=chunks[:, LEN], minlength=S))
-    quad_share = problem.model.quad(problem.lengths) / problem.bag_size[seq_bag]
+    quad_share = problem.model.quad(problem.lengths) / problem.bag_size[seq_bag] + problem.model.per_seq
     bag_quad = np.bincount(seq_bag, weights=quad_share, minlength=len(problem.bags))
     mat = problem.bag_rank_matrix
     valid = mat >= 0

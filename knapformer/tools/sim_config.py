@@ -86,8 +86,19 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
     return SimConfig(
-        ranks=args.ranks, mix=args.mix, scale=args.scale, bags=args.bags, model=args.model, steps=args.steps,
-        warmup=args.warmup, seed=args.seed, gamma=args.gamma, profile=args.profile, device=args.device,
-        checkpointing=args.checkpointing, peak_tflops=args.peak_tflops, dtype=args.dtype,
+        ranks=args.ranks,
+        mix=args.mix,
+        scale=args.scale,
+        bags=args.bags,
+        model=args.model,
+        steps=args.steps,
+        warmup=args.warmup,
+        seed=args.seed,
+        gamma=args.gamma,
+        profile=args.profile,
+        device=args.device,
+        checkpointing=args.checkpointing,
+        peak_tflops=args.peak_tflops,
+        dtype=args.dtype,
         progress=not args.no_progress,
     )

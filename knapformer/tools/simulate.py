@@ -36,7 +36,6 @@ from knapformer.workload import WorkloadModel
 __all__ = ["SimConfig", "simulate", "main", "DEMO_MIX"]
 
 
-
 def _probe_peak(device: torch.device, dtype: torch.dtype) -> float:
     """Sustained matmul FLOP/s of this rank (one thread on CPU)."""
     n = 1024 if device.type == "cpu" else 8192
@@ -130,8 +129,16 @@ def _worker(rank: int, world: int, cfg: SimConfig) -> dict:
     total_steps = cfg.warmup + cfg.steps
     for step in range(total_steps):
         batch = make_batch(
-            cfg.mix, rank=rank, num_ranks=world, step=step, seed=cfg.seed, scale=cfg.scale,
-            in_dim=mcfg.in_dim, vec_dim=getattr(mcfg, "vec_dim", 1), out_dim=mcfg.out_dim, dtype=dtype,
+            cfg.mix,
+            rank=rank,
+            num_ranks=world,
+            step=step,
+            seed=cfg.seed,
+            scale=cfg.scale,
+            in_dim=mcfg.in_dim,
+            vec_dim=getattr(mcfg, "vec_dim", 1),
+            out_dim=mcfg.out_dim,
+            dtype=dtype,
         )
         batch = _to(batch, device)
         counts = torch.tensor([batch.num_tokens], dtype=torch.int64, device=device)
@@ -164,16 +171,28 @@ def _worker(rank: int, world: int, cfg: SimConfig) -> dict:
             wall = time.perf_counter() - wall0
             loss_t = loss.detach().reshape(1).to(torch.float64)
             dist.all_reduce(loss_t)
-            rec = {"step": step, "mode": mode, "wall": wall, "busy": busy.seconds, "loss": float(loss_t),
-                   "plan_s": plan_s, "fwd_bwd_wall": fb_wall, "tokens": batch.num_tokens,
-                   "flops": float(sum(flops_model.flops(n, recompute=cfg.checkpointing) for n in batch.seq_lens))}
+            rec = {
+                "step": step,
+                "mode": mode,
+                "wall": wall,
+                "busy": busy.seconds,
+                "loss": float(loss_t),
+                "plan_s": plan_s,
+                "fwd_bwd_wall": fb_wall,
+                "tokens": batch.num_tokens,
+                "flops": float(sum(flops_model.flops(n, recompute=cfg.checkpointing) for n in batch.seq_lens)),
+            }
             if mode == "balanced":
                 rec["pred_before"] = plan.imbalance_before
                 rec["pred_after"] = plan.imbalance_after
             records.append(rec)
         if rank == 0 and cfg.progress:
-            print(f"\rstep {step + 1}/{total_steps}", end="" if step + 1 < total_steps else "\n", file=sys.stderr,
-                  flush=True)
+            print(
+                f"\rstep {step + 1}/{total_steps}",
+                end="" if step + 1 < total_steps else "\n",
+                file=sys.stderr,
+                flush=True,
+            )
     return {"rank": rank, "records": records, "peak": peak}
 
 
@@ -262,14 +281,28 @@ def write_outputs(rep: dict, report_path: str | None, plot_dir: str | None) -> N
 
         Path(plot_dir).mkdir(parents=True, exist_ok=True)
         u, b = rep["modes"]["unbalanced"], rep["modes"]["balanced"]
-        plot_rank_work(Path(plot_dir) / "busy_per_rank.png", "measured busy time per rank (fwd+bwd, mean per step)",
-                       {"unbalanced": u["busy_per_rank"], "balanced": b["busy_per_rank"]}, ylabel="seconds")
+        plot_rank_work(
+            Path(plot_dir) / "busy_per_rank.png",
+            "measured busy time per rank (fwd+bwd, mean per step)",
+            {"unbalanced": u["busy_per_rank"], "balanced": b["busy_per_rank"]},
+            ylabel="seconds",
+        )
         plot_step_times(Path(plot_dir) / "step_time.png", {"unbalanced": u["step_times"], "balanced": b["step_times"]})
         print(f"wrote {plot_dir}/busy_per_rank.png and {plot_dir}/step_time.png")
 
 
+def check_config(cfg: SimConfig) -> None:
+    """Problems knowable before any process starts: unknown preset, mismatched profile."""
+    mcfg = preset(cfg.model)
+    if cfg.profile:
+        prof = WorkloadModel.from_profile(cfg.profile)
+        if prof.d_model != mcfg.dim:
+            raise ValueError(f"profile d_model {prof.d_model} does not match model {cfg.model!r} (dim {mcfg.dim})")
+
+
 def simulate(cfg: SimConfig) -> dict:
     """Run the simulation on spawned ranks (or in this process under torchrun) -> report."""
+    check_config(cfg)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
         backend = "nccl" if cfg.device == "cuda" else "gloo"
         if cfg.device == "cuda":
@@ -293,7 +326,6 @@ def simulate(cfg: SimConfig) -> dict:
 
 def run_cli(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
-    preset(cfg.model)  # unknown presets fail before any process starts
     rep = simulate(cfg)
     if int(os.environ.get("RANK", "0")) == 0:
         print(format_report(rep))
