@@ -104,7 +104,7 @@ def _add_calibrate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--causal", action="store_true", help="causal attention (transformer presets)")
     p.add_argument("--lengths", type=int, nargs="+", default=None, help="fit lengths (single sequences)")
     p.add_argument("--holdout", type=int, nargs="+", default=None, help="held-out lengths (never fitted)")
-    p.add_argument("--repeats", type=int, default=5, help="timed repeats per batch (median)")
+    p.add_argument("--repeats", type=int, default=7, help="timed rounds over all batches (median per batch)")
     p.add_argument("--output", required=True, help="profile JSON to write")
     p.add_argument("--plot", default=None, help="PNG of measured vs predicted")
     p.add_argument("--report", default=None, help="JSON with every timing and error")

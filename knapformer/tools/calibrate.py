@@ -70,23 +70,28 @@ class _Timer:
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
-    def measure(self, fn, *, warmup: int, repeats: int) -> float:
-        for _ in range(warmup):
+    def loops_for(self, fn, *, warmup: int = 1, min_seconds: float = 0.05) -> int:
+        """Calls per measurement so that one lasts at least ``min_seconds`` (timer and
+        scheduler noise dominate below); runs ``fn`` ``warmup`` times first."""
+        first = 1.0
+        for _ in range(max(warmup, 1)):
+            first = self.once(fn, 1)
+        return max(1, min(64, math.ceil(min_seconds / max(first, 1e-6))))
+
+    def once(self, fn, inner: int) -> float:
+        """Seconds per call of ``fn`` over ``inner`` calls."""
+        if self.device.type == "cuda":
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            for _ in range(inner):
+                fn()
+            e.record()
+            e.synchronize()
+            return s.elapsed_time(e) / 1e3 / inner
+        t = time.thread_time()
+        for _ in range(inner):
             fn()
-        times = []
-        for _ in range(repeats):
-            if self.device.type == "cuda":
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                fn()
-                e.record()
-                e.synchronize()
-                times.append(s.elapsed_time(e) / 1e3)
-            else:
-                t = time.thread_time()
-                fn()
-                times.append(time.thread_time() - t)
-        return statistics.median(times)
+        return (time.thread_time() - t) / inner
 
 
 def _block_runners(cfg, device, dtype, causal: bool):
@@ -151,7 +156,7 @@ def calibrate(
     holdout: Sequence[int] | None = None,
     fit_mixes: Sequence[Sequence[int]] | None = None,
     holdout_mixes: Sequence[Sequence[int]] | None = None,
-    repeats: int = 5,
+    repeats: int = 7,
     warmup: int = 1,
     progress: bool = True,
 ) -> tuple[WorkloadModel, dict]:
@@ -170,26 +175,32 @@ def calibrate(
     if len(set(lengths)) < 3:
         raise ValueError(f"need at least 3 distinct fit lengths, got {sorted(set(lengths))}")
     dev = torch.device(device if device != "cuda" else f"cuda:{torch.cuda.current_device()}")
+    if dev.type == "cpu":
+        # thread CPU time sees only this thread: time one-threaded, as each simulator rank runs
+        torch.set_num_threads(1)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     fit_batches = [[n] for n in lengths] + fit_mixes
     held_batches = [[n] for n in holdout] + holdout_mixes
     check_memory(fit_batches + held_batches, cfg.dim, dev)
     timer = _Timer(dev)
     backward = mode == "fwd+bwd"
-    per_block, total = {}, len(fit_batches) + len(held_batches)
+    per_block = {}
     for name, count, make in _block_runners(cfg, dev, dtype, causal):
         if count == 0:
             continue
-        done = 0
-        fit_t, held_t = [], []
-        for batches, out in ((fit_batches, fit_t), (held_batches, held_t)):
-            for b in batches:
-                out.append(Timing(tuple(b), timer.measure(make(b, backward), warmup=warmup, repeats=repeats)))
-                done += 1
-                if progress:
-                    print(f"\r{name} blocks: {done}/{total} batches", end="", file=sys.stderr, flush=True)
+        # round-robin over batches, so slow drift of the machine hits every batch alike
+        batches = fit_batches + held_batches
+        inner = [timer.loops_for(make(b, backward)) for b in batches]
+        samples: list[list[float]] = [[] for _ in batches]
+        for r in range(repeats):
+            for i, b in enumerate(batches):
+                samples[i].append(timer.once(make(b, backward), inner[i]))
+            if progress:
+                print(f"\r{name} blocks: round {r + 1}/{repeats}", end="", file=sys.stderr, flush=True)
         if progress:
             print(file=sys.stderr)
+        times = [Timing(tuple(b), statistics.median(v)) for b, v in zip(batches, samples)]
+        fit_t, held_t = times[: len(fit_batches)], times[len(fit_batches) :]
         ours, paper = fit_cost(fit_t), fit_paper_style(fit_t)
         held_single = [t for t in held_t if len(t.seq_lens) == 1]
         held_mixed = [t for t in held_t if len(t.seq_lens) > 1]
