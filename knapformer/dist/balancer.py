@@ -51,7 +51,7 @@ class SequenceBalancer:
     def __init__(
         self,
         layout: str | BagLayout,
-        model: WorkloadModel,
+        model: WorkloadModel | str | os.PathLike,
         group: dist.ProcessGroup | None = None,
         *,
         solver: str = DEFAULT_SOLVER,
@@ -63,7 +63,8 @@ class SequenceBalancer:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("SequenceBalancer needs torch.distributed: call init_process_group first")
         self.layout = parse_layout(layout)
-        self.model = model
+        # a path is a calibrated profile (knapformer calibrate)
+        self.model = model if isinstance(model, WorkloadModel) else WorkloadModel.from_profile(model)
         self.solver = solver
         self.max_tokens_per_rank = max_tokens_per_rank
         self.rank_speed = None if rank_speed is None else tuple(rank_speed)

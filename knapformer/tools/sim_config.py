@@ -32,8 +32,9 @@ class SimConfig:
     warmup: int = 2
     """Unmeasured steps per run before measuring."""
     seed: int = 0
-    gamma: float = 2.0
-    """γ of the paper cost form used for planning (CPU ≈ 2 for d=128..256; ignored with profile)."""
+    gamma: float = 1.0
+    """γ of the paper cost form used for planning (ignored with a profile; calibrated CPU
+    profiles of the tiny presets measure γ ≈ 0.5–0.8)."""
     profile: str | None = None
     """Workload profile JSON (from the calibrator) instead of γ."""
     device: str = "cpu"
