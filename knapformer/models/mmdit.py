@@ -31,32 +31,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from knapformer.model_configs import MMDiTConfig
 from knapformer.models.executor import LocalExecutor, TokenExecutor, local_positions
 from knapformer.models.layers import RMSNorm, apply_rope, merge_streams, modulate, split_streams, timestep_embedding
 
 __all__ = ["MMDiTConfig", "MMDiT", "TokenMeta"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class MMDiTConfig:
-    in_dim: int = 16
-    """Features per input token (latent patch or text embedding)."""
-    vec_dim: int = 16
-    """Pooled (global) conditioning vector size per sequence."""
-    dim: int = 64
-    num_heads: int = 4
-    num_double: int = 2
-    num_single: int = 2
-    mlp_ratio: float = 4.0
-    out_dim: int = 16
-
-    def __post_init__(self) -> None:
-        if self.dim % self.num_heads or (self.dim // self.num_heads) % 2:
-            raise ValueError(f"dim {self.dim} must split into {self.num_heads} heads of even size")
-
-    @property
-    def num_layers(self) -> int:
-        return self.num_double + self.num_single
 
 
 @dataclass

@@ -11,35 +11,15 @@ Legend: T local tokens, R routed tokens, H heads, Dh head dim, D width.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
+from knapformer.model_configs import TransformerConfig
 from knapformer.models.executor import LocalExecutor, TokenExecutor
 from knapformer.models.layers import RMSNorm, SwiGLU, apply_rope
 
 __all__ = ["TransformerConfig", "Transformer"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class TransformerConfig:
-    in_dim: int = 32
-    """Input feature size per token."""
-    dim: int = 64
-    """Model width D."""
-    num_heads: int = 4
-    """Attention heads (must be divisible by every bag size)."""
-    num_layers: int = 2
-    mlp_ratio: float = 4.0
-    out_dim: int = 32
-    causal: bool = False
-
-    def __post_init__(self) -> None:
-        if self.dim % self.num_heads:
-            raise ValueError(f"dim {self.dim} is not divisible by num_heads {self.num_heads}")
-        if (self.dim // self.num_heads) % 2:
-            raise ValueError(f"head dim {self.dim // self.num_heads} must be even for RoPE")
 
 
 class Block(nn.Module):
