@@ -90,6 +90,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return run_cli(args)
 
 
+def cmd_cluster(args: argparse.Namespace) -> int:
+    from knapformer.tools.cluster_cli import run_cli
+
+    return run_cli(args)
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from knapformer.tools.calibrate import run_cli
 
@@ -140,6 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
     si = sub.add_parser("simulate", help="train a reference DiT with and without balancing and compare")
     simulate_parser(si)
     si.set_defaults(func=cmd_simulate)
+    from knapformer.tools.cluster_cli import add_args as cluster_args
+
+    cl = sub.add_parser("cluster", help="predict step time / HFU / speedup of layouts on a GPU cluster")
+    cluster_args(cl)
+    cl.set_defaults(func=cmd_cluster)
     ca = sub.add_parser("calibrate", help="time the model's blocks and fit a workload profile")
     _add_calibrate_args(ca)
     ca.set_defaults(func=cmd_calibrate)

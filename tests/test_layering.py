@@ -10,6 +10,10 @@ PURE = [
     "knapformer.plan",
     "knapformer.data",
     "knapformer.cli",
+    "knapformer.model_configs",
+    "knapformer.cluster",
+    "knapformer.workload_fit",
+    "knapformer.tools.cluster_cli",
 ]
 
 

@@ -1,0 +1,89 @@
+"""Hardware presets for the cluster model (per GPU; bandwidths per direction).
+
+Sources (vendor data sheets, as commonly quoted):
+- H100 SXM5: 989 TFLOP/s dense BF16 (1,979 with sparsity); NVLink 4 at 900 GB/s bidirectional
+  = 450 GB/s per direction; HGX nodes of 8; one 400 Gb/s NDR InfiniBand NIC per GPU (50 GB/s).
+- H200 SXM: same Hopper tensor cores (989 TFLOP/s dense BF16) and NVLink 4 (450 GB/s per
+  direction); 8 per node; 400 Gb/s per GPU.
+- A100 SXM4 80GB: 312 TFLOP/s dense BF16; NVLink 3 at 600 GB/s bidirectional = 300 GB/s per
+  direction; 8 per node; one 200 Gb/s HDR NIC per GPU (25 GB/s).
+- cpu-gloo: this repository's 2-core CPU development machine with gloo over loopback
+  (all-to-all of 1.2 MB took ~1.3 ms, 5 MB ~3.9 ms: ~1.3 GB/s and ~0.5 ms latency, measured);
+  use it with a calibrated CPU profile (compute time comes from the profile). A one-thread
+  index_select of 5 MB ran at ~7 GB/s (``copy_bw``); GPU presets assume ~2 TB/s of HBM.
+
+``efficiency`` is the fraction of peak the model's kernels sustain (matmuls and attention
+together). It is an assumption, not a measurement: 0.5 is typical of well-tuned large bf16
+transformer kernels on Hopper; override it (``--efficiency``) or give a calibrated profile.
+Latencies are per collective call, order-of-magnitude figures for NCCL all-to-all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+__all__ = ["Hardware", "HARDWARE", "hardware"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    name: str
+    peak_flops: float
+    """Dense bf16 FLOP/s per GPU."""
+    efficiency: float
+    """Achievable fraction of peak for the model's kernels."""
+    gpus_per_node: int
+    intra_bw: float
+    """Bytes/s per GPU per direction inside a node."""
+    inter_bw: float
+    """Bytes/s per GPU per direction between nodes."""
+    intra_latency: float = 15e-6
+    inter_latency: float = 30e-6
+    copy_bw: float = 2e12
+    """Bytes/s of the local permutation copies around each exchange (device memory)."""
+
+    def __post_init__(self) -> None:
+        for f in ("peak_flops", "efficiency", "intra_bw", "inter_bw"):
+            if not getattr(self, f) > 0:
+                raise ValueError(f"hardware {self.name!r}: {f} must be > 0, got {getattr(self, f)!r}")
+        if self.efficiency > 1:
+            raise ValueError(f"hardware {self.name!r}: efficiency must be <= 1, got {self.efficiency}")
+        if self.gpus_per_node < 1:
+            raise ValueError(f"hardware {self.name!r}: gpus_per_node must be >= 1")
+
+    @property
+    def achievable_flops(self) -> float:
+        return self.peak_flops * self.efficiency
+
+    def with_overrides(self, **kw) -> Hardware:
+        return replace(self, **{k: v for k, v in kw.items() if v is not None})
+
+
+HARDWARE: dict[str, Hardware] = {
+    "h100": Hardware(
+        name="H100 SXM", peak_flops=989e12, efficiency=0.5, gpus_per_node=8, intra_bw=450e9, inter_bw=50e9
+    ),
+    "h200": Hardware(
+        name="H200 SXM", peak_flops=989e12, efficiency=0.5, gpus_per_node=8, intra_bw=450e9, inter_bw=50e9
+    ),
+    "a100": Hardware(
+        name="A100 SXM4", peak_flops=312e12, efficiency=0.5, gpus_per_node=8, intra_bw=300e9, inter_bw=25e9
+    ),
+    "cpu-gloo": Hardware(
+        name="2-core CPU, gloo loopback",
+        peak_flops=50e9,
+        efficiency=0.5,
+        gpus_per_node=1024,
+        intra_bw=1.3e9,
+        inter_bw=1.3e9,
+        intra_latency=0.5e-3,
+        inter_latency=0.5e-3,
+    ),
+}
+
+
+def hardware(name: str) -> Hardware:
+    try:
+        return HARDWARE[name]
+    except KeyError:
+        raise ValueError(f"unknown hardware preset {name!r}; choose one of {sorted(HARDWARE)}") from None

@@ -1,0 +1,209 @@
+"""Predict one training step's time per rank from a plan: compute plus communication.
+
+- **Compute**: each rank's FLOPs (linear part of the tokens it holds, plus 1/k of the
+  attention of every sequence of its bag; × layers; forward + backward = 3×, + 1× with
+  activation recompute) over the hardware's achievable rate — or, with a calibrated
+  profile, the profile's seconds directly.
+- **Routing**: route and reverse move each chunk whose destination differs from its source,
+  ``d`` values per token; with their backward exchanges that is 4 all-to-alls per step.
+- **Ulysses**: in a k-rank bag every attention layer sends (k−1)/k of q, k, v (3 units) before
+  attention and of the output (1 unit) after, in forward and again in backward (and recompute).
+- An all-to-all costs ``latency + max(sent, received) / bandwidth`` per link class (inside
+  a node / across nodes), a rank's traffic to both classes adding up, plus the executor's
+  local copies (gather, pack, unpack, scatter: 4 passes over the whole payload) at the
+  hardware's ``copy_bw``.
+- With a calibrated profile, the per-call cost ``d`` of every block call (profile meta
+  ``per_call_seconds``) is paid by every rank in every layer, balanced or not.
+- Step time = max over ranks of compute + communication (nothing overlapped; the gradient
+  all-reduce, the same with and without balancing, is left out).
+
+Pure numpy: no torch, no devices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from knapformer.cluster.hardware import Hardware
+from knapformer.plan import Plan
+from knapformer.plan.plan import DST, LEN, SRC
+from knapformer.workload import WorkloadModel, transformer_flops
+
+__all__ = ["ModelShape", "StepPrediction", "predict_step", "predict_unbalanced", "a2a_seconds"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """What the cluster model needs of a model."""
+
+    dim: int
+    heads: int
+    layers: int
+    causal: bool = False
+    recompute: bool = False
+    bytes_per_value: int = 2
+    """bf16 activations on the wire."""
+
+    @classmethod
+    def from_config(cls, cfg, *, recompute: bool = False) -> ModelShape:
+        return cls(
+            dim=cfg.dim,
+            heads=cfg.num_heads,
+            layers=cfg.num_layers,
+            causal=getattr(cfg, "causal", False),
+            recompute=recompute,
+        )
+
+    @property
+    def passes(self) -> int:
+        """Forward-equivalents per step: forward + backward (2×) (+ recompute)."""
+        return 4 if self.recompute else 3
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    compute_s: np.ndarray
+    """(S,) compute seconds per rank."""
+    route_s: np.ndarray
+    """(S,) routing seconds per rank (4 all-to-alls)."""
+    ulysses_s: np.ndarray
+    """(S,) Ulysses seconds per rank (all layers, all passes)."""
+    flops: float
+    """Hardware FLOPs of the step, all ranks."""
+    tokens: int
+    fixed_s: float = 0.0
+    """Per-step time outside the blocks, the same for every rank and layout (optimizer,
+    FSDP/DDP parameter and gradient traffic)."""
+
+    @property
+    def rank_s(self) -> np.ndarray:
+        return self.compute_s + self.route_s + self.ulysses_s + self.fixed_s
+
+    @property
+    def step_s(self) -> float:
+        return float(self.rank_s.max())
+
+    @property
+    def comm_share(self) -> float:
+        """Communication share of the critical rank's time."""
+        r = int(np.argmax(self.rank_s))
+        return float((self.route_s[r] + self.ulysses_s[r]) / self.rank_s[r]) if self.rank_s[r] > 0 else 0.0
+
+    @property
+    def imbalance(self) -> float:
+        """Compute max/mean − 1."""
+        m = self.compute_s.mean()
+        return float(self.compute_s.max() / m - 1) if m > 0 else 0.0
+
+    def hfu(self, hw: Hardware) -> float:
+        return self.flops / (self.step_s * hw.peak_flops * self.compute_s.size) if self.step_s > 0 else 0.0
+
+    def summary(self, hw: Hardware) -> dict:
+        return {
+            "step_s": self.step_s,
+            "tokens_per_s": self.tokens / self.step_s if self.step_s else 0.0,
+            "hfu": self.hfu(hw),
+            "comm_share": self.comm_share,
+            "imbalance": self.imbalance,
+        }
+
+
+_COPIES = 4  # local passes over an exchange's payload: gather, pack, unpack, scatter
+
+
+def a2a_seconds(sent: np.ndarray, recv: np.ndarray, bw: float, latency: float) -> np.ndarray:
+    """Per-rank time of one all-to-all class: latency (if the rank moves anything) + max(sent,
+    received) / bandwidth."""
+    moved = np.maximum(sent, recv)
+    return np.where(moved > 0, latency + moved / bw, 0.0)
+
+
+def _rank_load(plan: Plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens, Σ L²/k, sequences run) per rank under ``plan``."""
+    S = plan.num_ranks
+    ch = plan.chunks
+    tokens = np.bincount(ch[:, DST], weights=ch[:, LEN], minlength=S)
+    lens = np.asarray([v for r in plan.seq_lens for v in r], dtype=np.float64)
+    sizes = np.asarray([len(b) for b in plan.bags], dtype=np.float64)
+    k = sizes[plan.seq_bag] if lens.size else np.zeros(0)
+    per_bag_quad = np.bincount(plan.seq_bag, weights=lens * lens / np.maximum(k, 1), minlength=len(plan.bags))
+    per_bag_count = np.bincount(plan.seq_bag, minlength=len(plan.bags)).astype(np.float64)
+    quad, count = np.zeros(S), np.zeros(S)
+    for b, members in enumerate(plan.bags):
+        quad[list(members)] += per_bag_quad[b]
+        count[list(members)] += per_bag_count[b]
+    return tokens, quad, count
+
+
+def _compute_seconds(tokens, quad, count, shape: ModelShape, hw: Hardware, profile: WorkloadModel | None):
+    if profile is not None:
+        # profile units: seconds per layer for what it timed (forward + backward by default)
+        per_layer = profile.linear_coef * tokens + profile.quad_coef * quad + profile.per_seq * count
+        per_layer = per_layer + float(profile.meta.get("per_call_seconds", 0.0))
+        mode = profile.meta.get("mode", "fwd+bwd")
+        scale = shape.passes / (3 if mode == "fwd+bwd" else 1)
+        return per_layer * shape.layers * scale
+    return _flops(tokens, quad, shape) / hw.achievable_flops
+
+
+def _flops(tokens, quad, shape: ModelShape) -> np.ndarray:
+    attn = 4.0 * quad * shape.dim * (0.5 if shape.causal else 1.0)
+    return shape.passes * shape.layers * (24.0 * tokens * shape.dim**2 + attn)
+
+
+def predict_step(
+    plan: Plan, shape: ModelShape, hw: Hardware, *, profile: WorkloadModel | None = None, fixed_s: float = 0.0
+) -> StepPrediction:
+    """Per-rank prediction for a balanced step under ``plan`` (ranks = global GPU ids)."""
+    S, gpn = plan.num_ranks, hw.gpus_per_node
+    tokens, quad, count = _rank_load(plan)
+    compute = _compute_seconds(tokens, quad, count, shape, hw, profile)
+    bpt = shape.dim * shape.bytes_per_value  # bytes per token of activations
+    # -- routing (route + reverse, forward and backward)
+    ch = plan.chunks
+    off = ch[:, SRC] != ch[:, DST]
+    same_node = (ch[:, SRC] // gpn) == (ch[:, DST] // gpn)
+    route = np.zeros(S)
+    for mask, bw, lat in (
+        (off & same_node, hw.intra_bw, hw.intra_latency),
+        (off & ~same_node, hw.inter_bw, hw.inter_latency),
+    ):
+        sent = np.bincount(ch[mask, SRC], weights=ch[mask, LEN], minlength=S) * bpt
+        recv = np.bincount(ch[mask, DST], weights=ch[mask, LEN], minlength=S) * bpt
+        route += a2a_seconds(sent, recv, bw, lat)
+    route += _COPIES * tokens * bpt / hw.copy_bw  # every token is gathered/packed on its way out and in
+    route *= 4
+    # -- Ulysses inside multi-rank bags: per layer, 3 units (q,k,v) then 1 unit (output)
+    ulysses = np.zeros(S)
+    for members in plan.bags:
+        k = len(members)
+        if k == 1:
+            continue
+        m = list(members)
+        crosses = len({r // gpn for r in m}) > 1
+        bw, lat = (hw.inter_bw, hw.inter_latency) if crosses else (hw.intra_bw, hw.intra_latency)
+        R = tokens[m] * bpt
+        sent = R * (k - 1) / k
+        recv = (R.sum() - R) / k
+        per_layer = a2a_seconds(3 * sent, 3 * recv, bw, lat) + a2a_seconds(sent, recv, bw, lat)
+        per_layer = per_layer + _COPIES * 4 * R / hw.copy_bw
+        ulysses[m] = per_layer * shape.layers * (shape.passes - 1)  # forward, backward (x2 wire), recompute
+    lens = np.asarray([v for r in plan.seq_lens for v in r], dtype=np.float64)
+    flops = float(shape.passes * shape.layers * transformer_flops(lens, shape.dim, causal=shape.causal).sum())
+    return StepPrediction(compute, route, ulysses, flops, int(lens.sum()), fixed_s)
+
+
+def predict_unbalanced(
+    seq_lens, shape: ModelShape, hw: Hardware, *, profile: WorkloadModel | None = None, fixed_s: float = 0.0
+) -> StepPrediction:
+    """Plain data parallel: every rank computes its own sequences, nothing moves."""
+    S = len(seq_lens)
+    tokens = np.asarray([sum(r) for r in seq_lens], dtype=np.float64)
+    quad = np.asarray([sum(v * v for v in r) for r in seq_lens], dtype=np.float64)
+    count = np.asarray([len(r) for r in seq_lens], dtype=np.float64)
+    compute = _compute_seconds(tokens, quad, count, shape, hw, profile)
+    lens = np.asarray([v for r in seq_lens for v in r], dtype=np.float64)
+    flops = float(shape.passes * shape.layers * transformer_flops(lens, shape.dim, causal=shape.causal).sum())
+    return StepPrediction(compute, np.zeros(S), np.zeros(S), flops, int(lens.sum()), fixed_s)

@@ -1,0 +1,139 @@
+"""Evaluate layouts over sampled steps, and search for the best one (``--bags auto``).
+
+Candidates: every uniform layout ``g{k}n{N/k}`` and mixed layouts of two or three bag sizes
+sharing the ranks (equal shares, and 3:1 / 1:3 for pairs); bag sizes must divide the head
+count, and no bag may straddle a node boundary unless allowed. ``none`` (plain data parallel)
+is the baseline every speedup is measured against.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from knapformer.cluster.hardware import Hardware
+from knapformer.cluster.model import ModelShape, predict_step, predict_unbalanced
+from knapformer.layout import BagLayout, parse_layout
+from knapformer.plan import plan_sequences
+from knapformer.workload import WorkloadModel
+
+__all__ = ["LayoutResult", "evaluate", "candidate_layouts", "search_layouts", "bag_sizes_for"]
+
+
+@dataclass
+class LayoutResult:
+    bags: str
+    step_s: float
+    tokens_per_s: float
+    hfu: float
+    comm_share: float
+    imbalance: float
+    plan_ms: float
+    speedup: float = 1.0
+
+    def row(self) -> dict:
+        return dict(self.__dict__)
+
+
+def bag_sizes_for(heads: int, gpus_per_node: int, num_gpus: int, allow_cross_node: bool) -> list[int]:
+    """Bag sizes that split the heads evenly and fit the node (or the cluster)."""
+    limit = num_gpus if allow_cross_node else min(gpus_per_node, num_gpus)
+    return [k for k in range(1, limit + 1) if heads % k == 0 and num_gpus % k == 0]
+
+
+def _fits_nodes(layout: BagLayout, gpus_per_node: int) -> bool:
+    return all(len({r // gpus_per_node for r in bag}) == 1 for bag in layout.bags)
+
+
+def candidate_layouts(num_gpus: int, heads: int, gpus_per_node: int, *, allow_cross_node: bool = False) -> list[str]:
+    """Uniform then mixed layouts, each valid for the head count and node size."""
+    sizes = bag_sizes_for(heads, gpus_per_node, num_gpus, allow_cross_node)
+    if not sizes:
+        raise ValueError(f"no bag size divides both {heads} heads and {num_gpus} GPUs")
+    specs = [f"g{k}n{num_gpus // k}" for k in sizes]
+    shares = {2: [(1, 1), (3, 1), (1, 3)], 3: [(1, 1, 1), (2, 1, 1), (1, 1, 2)]}
+    for m in (2, 3):
+        for combo in itertools.combinations(sizes, m):
+            for share in shares[m]:
+                total = sum(share)
+                if num_gpus % total:
+                    continue
+                unit = num_gpus // total
+                ranks = [unit * s for s in share]
+                if any(r % k for r, k in zip(ranks, combo)):
+                    continue
+                specs.append("+".join(f"g{k}n{r // k}" for k, r in zip(combo, ranks)))
+    out = []
+    for spec in dict.fromkeys(specs):
+        lay = parse_layout(spec)
+        if lay.group_size == num_gpus and (allow_cross_node or _fits_nodes(lay, gpus_per_node)):
+            out.append(spec)
+    return out
+
+
+def evaluate(
+    steps: Sequence[Sequence[Sequence[int]]],
+    bags: str,
+    shape: ModelShape,
+    hw: Hardware,
+    *,
+    profile: WorkloadModel | None = None,
+    plan_model: WorkloadModel | None = None,
+    solver: str = "lpt",
+    fixed_s: float = 0.0,
+) -> LayoutResult:
+    """Mean prediction over sampled steps (``bags='none'``: plain data parallel). Compute
+    time comes from ``profile`` if given (else FLOPs); plans use ``profile``, else
+    ``plan_model``, else the paper form with γ=1."""
+    if bags != "none":
+        lay = parse_layout(bags)
+        bad = [k for k, _ in lay.terms if shape.heads % k]
+        if bad:
+            raise ValueError(f"bag size {bad[0]} does not divide the model's {shape.heads} heads")
+    cost = profile or plan_model or WorkloadModel(d_model=shape.dim, causal=shape.causal)
+    preds, plan_ms = [], []
+    for lens in steps:
+        if bags == "none":
+            preds.append(predict_unbalanced(lens, shape, hw, profile=profile, fixed_s=fixed_s))
+            plan_ms.append(0.0)
+            continue
+        t = time.perf_counter()
+        plan = plan_sequences(lens, bags, cost, solver=solver)
+        plan_ms.append(1e3 * (time.perf_counter() - t))
+        preds.append(predict_step(plan, shape, hw, profile=profile, fixed_s=fixed_s))
+    s = [p.summary(hw) for p in preds]
+    mean = lambda k: statistics.mean(x[k] for x in s)  # noqa: E731
+    return LayoutResult(
+        bags=bags,
+        step_s=mean("step_s"),
+        tokens_per_s=mean("tokens_per_s"),
+        hfu=mean("hfu"),
+        comm_share=mean("comm_share"),
+        imbalance=mean("imbalance"),
+        plan_ms=statistics.mean(plan_ms),
+    )
+
+
+def search_layouts(
+    steps,
+    shape: ModelShape,
+    hw: Hardware,
+    *,
+    profile: WorkloadModel | None = None,
+    plan_model: WorkloadModel | None = None,
+    allow_cross_node: bool = False,
+    fixed_s: float = 0.0,
+) -> tuple[LayoutResult, list[LayoutResult], LayoutResult]:
+    """(best, all candidates sorted by step time, the 'none' baseline)."""
+    num_gpus = len(steps[0])
+    base = evaluate(steps, "none", shape, hw, profile=profile, fixed_s=fixed_s)
+    results = []
+    for spec in candidate_layouts(num_gpus, shape.heads, hw.gpus_per_node, allow_cross_node=allow_cross_node):
+        r = evaluate(steps, spec, shape, hw, profile=profile, plan_model=plan_model, fixed_s=fixed_s)
+        r.speedup = base.step_s / r.step_s
+        results.append(r)
+    results.sort(key=lambda r: (r.step_s, r.bags))
+    return results[0], results, base
