@@ -6,7 +6,7 @@ Main API: :class:`Transformer`, :class:`MMDiT`, their configs, :func:`preset` (`
 
 from __future__ import annotations
 
-from knapformer.model_configs import PRESETS, MMDiTConfig, TransformerConfig, preset
+from knapformer.model_configs import PRESETS, DiffusersFluxConfig, MMDiTConfig, TransformerConfig, preset
 from knapformer.models.executor import LocalExecutor, TokenExecutor, local_positions
 from knapformer.models.mmdit import MMDiT
 from knapformer.models.transformer import Transformer
@@ -25,5 +25,10 @@ __all__ = [
 ]
 
 
-def build_model(cfg: MMDiTConfig | TransformerConfig):
+def build_model(cfg):
+    """A model for a config; diffusers presets need ``pip install 'knapformer[diffusers]'``."""
+    if isinstance(cfg, DiffusersFluxConfig):
+        from knapformer.integrations.diffusers import build_flux
+
+        return build_flux(cfg)
     return MMDiT(cfg) if isinstance(cfg, MMDiTConfig) else Transformer(cfg)

@@ -162,6 +162,8 @@ def calibrate(
 ) -> tuple[WorkloadModel, dict]:
     """Measure, fit and evaluate; returns the profile and a report dict."""
     cfg = preset(model_name)
+    if not isinstance(cfg, (MMDiTConfig, TransformerConfig)):
+        raise ValueError(f"calibrate times the reference models only; {model_name!r} is not one of them")
     if mode not in ("fwd", "fwd+bwd"):
         raise ValueError(f"mode must be 'fwd' or 'fwd+bwd', got {mode!r}")
     if causal and isinstance(cfg, MMDiTConfig):

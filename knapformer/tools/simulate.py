@@ -82,9 +82,27 @@ class _BusyTimer:
 
 def _forward(model, batch, executor):
     core = getattr(model, "module", model)
+    if hasattr(core, "single_transformer_blocks"):  # a diffusers Flux model
+        from knapformer.integrations.diffusers import packed_flux_forward, samples_from_batch
+
+        samples = samples_from_batch(batch, _FLUX_CFG[0], seed=0)
+        bal = executor if not isinstance(executor, LocalExecutor) else None
+        out = packed_flux_forward(core, samples, balancer=bal).flat
+        # loss on image tokens: align targets to the image rows
+        return out, torch.cat([batch.target[s + t : s + n] for s, n, t in _starts(batch)]) if samples else out
     if isinstance(core, MMDiT):
         return model(batch.x, batch.seq_lens, batch.txt_lens, batch.t, batch.vec, executor=executor)
     return model(batch.x, batch.seq_lens, executor=executor)
+
+
+_FLUX_CFG: list = [None]
+
+
+def _starts(batch):
+    s = 0
+    for n, t in zip(batch.seq_lens, batch.txt_lens.tolist()):
+        yield s, n, t
+        s += n
 
 
 def _sync_grads(model: torch.nn.Module, world: int) -> None:
@@ -108,8 +126,11 @@ def _worker(rank: int, world: int, cfg: SimConfig) -> dict:
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
     dtype = getattr(torch, cfg.dtype)
     mcfg = preset(cfg.model)
+    _FLUX_CFG[0] = mcfg
     torch.manual_seed(cfg.seed)
-    base = build_model(mcfg).to(device=device, dtype=dtype)
+    base = build_model(mcfg).to(device=device)
+    if dtype != torch.float32:
+        base = base.to(dtype=dtype)
     if cfg.checkpointing:
         apply_checkpointing(base)
     models = {"unbalanced": base, "balanced": copy.deepcopy(base)}
@@ -159,7 +180,8 @@ def _worker(rank: int, world: int, cfg: SimConfig) -> dict:
             fb0 = time.perf_counter()
             with _BusyTimer(device) as busy:
                 out = _forward(model, batch, executor)
-                loss = ((out.float() - batch.target.float()) ** 2).sum() / global_tokens
+                out, target = out if isinstance(out, tuple) else (out, batch.target)
+                loss = ((out.float() - target.float()) ** 2).sum() / global_tokens
                 loss.backward()
             _sync(device)
             fb_wall = time.perf_counter() - fb0

@@ -1,0 +1,327 @@
+"""Packed, variable-length (and balanced) forward of a stock diffusers ``FluxTransformer2DModel``.
+
+    from knapformer.integrations.diffusers import FluxSample, packed_flux_forward
+    outs = packed_flux_forward(model, samples, balancer=bal)   # list of (T_img_i, C) tensors
+
+Each sample brings its own resolution, text length, timestep, guidance and RoPE ids; the
+model's own modules and weights do all the math. How it works with *stock* block forwards:
+
+- **Layout "batch = tokens"**: activations are ``[T, 1, D]`` — every token is its own batch
+  row, so the blocks' AdaLN modulation (``[B, D]`` broadcast over the sequence) becomes
+  per-token modulation when ``temb`` is given per token. Double blocks get text tokens as
+  ``encoder_hidden_states`` and image tokens as ``hidden_states``; single blocks get all
+  tokens as ``hidden_states`` and an empty ``[T, 0, D]`` text tensor.
+- The two streams of a double block share one ``temb`` argument; a forward pre-hook on each
+  block's ``norm1``/``norm1_context``/``norm`` (per instance, installed once by
+  :func:`prepare_flux`) picks the stream's per-token tensor from a :class:`_StreamTemb`. For
+  a plain tensor the hook does nothing, so the stock API keeps working unchanged.
+- The attention processor (:class:`PackedFluxAttnProcessor`, set per instance) computes
+  q/k/v with the stock projections and norms, applies RoPE with the stock function, and runs
+  attention within each sample — through ``SequenceBalancer.attention`` (Ulysses inside
+  bags) or local varlen attention. Without the ``packed`` argument it delegates to the stock
+  processor.
+- Packed metadata travels as ``joint_attention_kwargs`` (an argument of every block call, so
+  activation-checkpoint recompute sees it); blocks always run as their own ``forward`` (FSDP2
+  per block works).
+- With a balancer, tokens are routed right after the embedders, the per-sample ``temb`` is
+  shared with ``gather_sequences``, RoPE ids travel with the tokens, and the image outputs
+  are routed back before being split per sample.
+
+Importing knapformer never imports diffusers; this module does, and needs
+``pip install 'knapformer[diffusers]'`` (diffusers >= 0.35, < 0.43).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from knapformer.models.executor import LocalExecutor, TokenExecutor, local_positions
+from knapformer.models.layers import merge_streams, split_streams
+
+__all__ = [
+    "FluxSample",
+    "PackedFluxAttnProcessor",
+    "PackedFluxOutput",
+    "build_flux",
+    "packed_flux_forward",
+    "prepare_flux",
+    "samples_from_batch",
+    "require_diffusers",
+]
+
+_MIN, _MAX = (0, 35), (0, 43)
+
+
+def require_diffusers():
+    """Import diffusers or raise one clear error naming the extra."""
+    try:
+        import diffusers
+    except ImportError as exc:
+        raise ImportError(
+            "knapformer.integrations.diffusers needs diffusers>=0.35,<0.43: pip install 'knapformer[diffusers]'"
+        ) from exc
+    version = tuple(int(p) for p in diffusers.__version__.split(".")[:2] if p.isdigit())
+    if not (_MIN <= version < _MAX):
+        raise ImportError(
+            f"diffusers {diffusers.__version__} is not supported (need >=0.35,<0.43): "
+            "pip install 'knapformer[diffusers]'"
+        )
+    return diffusers
+
+
+@dataclass
+class FluxSample:
+    """One training sample for a Flux model (no batch dimension anywhere)."""
+
+    latents: torch.Tensor  # (T_img, in_channels) packed latent patches
+    text: torch.Tensor  # (T_txt, joint_attention_dim) text encoder states
+    pooled: torch.Tensor  # (pooled_projection_dim,)
+    timestep: torch.Tensor  # () in [0, 1]
+    img_ids: torch.Tensor  # (T_img, 3)
+    txt_ids: torch.Tensor  # (T_txt, 3)
+    guidance: torch.Tensor | None = None  # () for guidance-distilled models
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.text.shape[0] + self.latents.shape[0])
+
+
+class PackedFluxOutput(list):
+    """Per-sample outputs (a list, original order) plus ``flat``: all of this rank's image
+    outputs as one (T_img, C) tensor. Build the loss from ``flat`` (or from the list) — on a
+    rank with no samples ``flat`` is empty but still connected to the step's collectives, so
+    ``loss.backward()`` there joins the backward exchanges instead of leaving others waiting."""
+
+    flat: torch.Tensor
+
+
+class _StreamTemb:
+    """Per-token conditioning for both streams; the norm hooks pick the right one."""
+
+    def __init__(self, txt: torch.Tensor, img: torch.Tensor, all_tokens: torch.Tensor | None = None) -> None:
+        self.txt, self.img, self.all = txt, img, all_tokens
+
+
+def _pick(stream: str):
+    def hook(module, args, kwargs):
+        emb = kwargs.get("emb")
+        if isinstance(emb, _StreamTemb):
+            kwargs = dict(kwargs)
+            kwargs["emb"] = getattr(emb, stream)
+            return args, kwargs
+        return None
+
+    return hook
+
+
+@dataclass
+class _Packed:
+    """Metadata of the tokens this rank holds (joint order = all text rows, then all image rows)."""
+
+    executor: TokenExecutor
+    to_routed: torch.Tensor  # joint order -> routed order
+    from_routed: torch.Tensor  # routed order -> joint order
+    num_txt: int
+
+
+class PackedFluxAttnProcessor:
+    """Flux attention over packed ``[T, 1, D]`` tokens; stock behaviour when not packed."""
+
+    def __init__(self) -> None:
+        from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+
+        self._stock = FluxAttnProcessor()
+
+    def __call__(
+        self,
+        attn,
+        hidden_states,
+        encoder_hidden_states=None,
+        attention_mask=None,
+        image_rotary_emb=None,
+        packed: _Packed | None = None,
+    ):
+        if packed is None:
+            return self._stock(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+        from diffusers.models.embeddings import apply_rotary_emb
+        from diffusers.models.transformers.transformer_flux import _get_qkv_projections
+
+        q, k, v, eq, ek, ev = _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
+        heads = (t.unflatten(-1, (-1, attn.head_dim)).squeeze(1) for t in (q, k, v))  # (T, H, Dh)
+        q, k, v = heads
+        q, k = attn.norm_q(q), attn.norm_k(k)
+        if encoder_hidden_states is not None:
+            eq, ek, ev = (t.unflatten(-1, (-1, attn.head_dim)).squeeze(1) for t in (eq, ek, ev))
+            eq, ek = attn.norm_added_q(eq), attn.norm_added_k(ek)
+            q, k, v = torch.cat([eq, q]), torch.cat([ek, k]), torch.cat([ev, v])
+        if image_rotary_emb is not None:  # stock function, sequence = token dim
+            q = apply_rotary_emb(q.unsqueeze(0), image_rotary_emb, sequence_dim=1)[0]
+            k = apply_rotary_emb(k.unsqueeze(0), image_rotary_emb, sequence_dim=1)[0]
+        q, k, v = (t.index_select(0, packed.to_routed) for t in (q, k, v))
+        o = packed.executor.attention(q, k, v).index_select(0, packed.from_routed)
+        o = o.flatten(1, 2).unsqueeze(1).to(q.dtype)  # (T, 1, H*Dh)
+        if encoder_hidden_states is None:
+            return o
+        enc, img = o[: packed.num_txt], o[packed.num_txt :]
+        img = attn.to_out[1](attn.to_out[0](img.contiguous()))
+        enc = attn.to_add_out(enc.contiguous())
+        return img, enc
+
+
+def build_flux(cfg):
+    """Random-init ``FluxTransformer2DModel`` for a :class:`DiffusersFluxConfig` (no download)."""
+    require_diffusers()
+    from diffusers import FluxTransformer2DModel
+
+    return FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=cfg.in_dim,
+        num_layers=cfg.num_double,
+        num_single_layers=cfg.num_single,
+        attention_head_dim=cfg.head_dim,
+        num_attention_heads=cfg.num_heads,
+        joint_attention_dim=cfg.text_dim,
+        pooled_projection_dim=cfg.vec_dim,
+        guidance_embeds=False,
+        axes_dims_rope=cfg.axes_dims_rope,
+    )
+
+
+def samples_from_batch(batch, cfg, *, seed: int) -> list[FluxSample]:
+    """Flux samples from a synthetic :class:`~knapformer.data.batches.Batch` (text tokens first
+    in each sequence; image ids on a near-square grid)."""
+    out, start = [], 0
+    g = torch.Generator().manual_seed(seed)
+    for n, t, ts, vec in zip(batch.seq_lens, batch.txt_lens.tolist(), batch.t, batch.vec):
+        v = n - t
+        w = max(1, int(v**0.5))
+        pos = torch.arange(v, dtype=torch.float64)
+        img_ids = torch.stack([torch.zeros(v, dtype=torch.float64), pos // w, pos % w], dim=1)
+        out.append(
+            FluxSample(
+                latents=batch.x[start + t : start + n, : cfg.in_dim],
+                text=torch.randn(t, cfg.text_dim, generator=g).to(batch.x.dtype),
+                pooled=vec[: cfg.vec_dim],
+                timestep=ts,
+                img_ids=img_ids,
+                txt_ids=torch.zeros(t, 3, dtype=torch.float64),
+            )
+        )
+        start += n
+    return out
+
+
+def prepare_flux(model) -> None:
+    """Install the packed attention processor and the per-stream temb hooks, once, on this
+    model instance only (idempotent; the stock forward keeps its behaviour)."""
+    require_diffusers()
+    if getattr(model, "_knapformer_prepared", False):
+        return
+    proc = PackedFluxAttnProcessor()
+    for block in model.transformer_blocks:
+        block.attn.set_processor(proc)
+        block.norm1.register_forward_pre_hook(_pick("img"), with_kwargs=True)
+        block.norm1_context.register_forward_pre_hook(_pick("txt"), with_kwargs=True)
+    for block in model.single_transformer_blocks:
+        block.attn.set_processor(proc)
+        block.norm.register_forward_pre_hook(_pick("all"), with_kwargs=True)
+    model._knapformer_prepared = True
+
+
+def packed_flux_forward(model, samples: Sequence[FluxSample], balancer=None) -> PackedFluxOutput:
+    """Outputs (T_img_i, out_channels) for each sample, in order; differentiable.
+
+    With ``balancer`` (a ``SequenceBalancer``), plans this rank's samples (a collective: every
+    rank of the group must call it), routes tokens, and balances attention; without it,
+    attention runs within each sample locally."""
+    prepare_flux(model)
+    device = model.x_embedder.weight.device
+    dtype = model.x_embedder.weight.dtype
+    txt_lens = [int(s.text.shape[0]) for s in samples]
+    img_lens = [int(s.latents.shape[0]) for s in samples]
+    seq_lens = [t + i for t, i in zip(txt_lens, img_lens)]
+    D = model.inner_dim
+    # 1. embed locally (every embedder runs, possibly on empty inputs: all params get grads)
+    lat = _cat([s.latents for s in samples], (0, model.config.in_channels), device, dtype)
+    txt = _cat([s.text for s in samples], (0, model.config.joint_attention_dim), device, dtype)
+    img_h = model.x_embedder(lat)
+    txt_h = model.context_embedder(txt)
+    ts = _stack([s.timestep for s in samples], device, dtype) * 1000
+    pooled = _cat([s.pooled[None] for s in samples], (0, model.config.pooled_projection_dim), device, dtype)
+    if model.config.guidance_embeds:
+        if any(s.guidance is None for s in samples):
+            raise ValueError("this model is guidance-distilled: every FluxSample needs a guidance value")
+        temb = model.time_text_embed(ts, _stack([s.guidance for s in samples], device, dtype) * 1000, pooled)
+    else:
+        temb = model.time_text_embed(ts, pooled)
+    # local token order: per sample, text then image
+    seq_l, pos_l = local_positions(seq_lens, device)
+    tl = torch.tensor(txt_lens, dtype=torch.int64, device=device)
+    is_txt_l = pos_l < tl[seq_l] if seq_l.numel() else torch.zeros(0, dtype=torch.bool, device=device)
+    i_txt, i_img, inv = split_streams(is_txt_l)
+    h_local = merge_streams(txt_h, img_h, inv)  # (T, D) in local order
+    ids = _cat([torch.cat([s.txt_ids, s.img_ids]) for s in samples], (0, 3), device, None)
+    # 2. route (or stay)
+    ex: TokenExecutor
+    if balancer is not None:
+        balancer.plan(seq_lens)
+        ex = balancer
+        h, ids_r = balancer.route(h_local, ids.to(torch.float64))
+        temb_all, txt_all = balancer.gather_sequences(temb, tl)
+    else:
+        ex = LocalExecutor(seq_lens)
+        h, ids_r, temb_all, txt_all = h_local, ids.to(torch.float64), temb, tl
+    seq_id, pos = ex.routed_positions(device)
+    is_txt = pos < txt_all.index_select(0, seq_id)
+    r_txt, r_img, r_inv = split_streams(is_txt)
+    joint = torch.cat([r_txt, r_img])  # joint order -> routed rows
+    # joint row j is routed row joint[j]; routed row i is joint row r_inv[i]
+    packed = _Packed(executor=ex, to_routed=r_inv, from_routed=joint, num_txt=int(r_txt.numel()))
+    rope = model.pos_embed(ids_r.index_select(0, joint))
+    tok_temb = temb_all.index_select(0, seq_id)
+    st = _StreamTemb(txt=tok_temb.index_select(0, r_txt), img=tok_temb.index_select(0, r_img))
+    txt_s = h.index_select(0, r_txt).unsqueeze(1)  # (T_txt, 1, D)
+    img_s = h.index_select(0, r_img).unsqueeze(1)
+    kw = {"packed": packed}
+    # 3. double blocks (stock forwards), then single blocks over all tokens
+    for block in model.transformer_blocks:
+        txt_s, img_s = _call(model, block, img_s, txt_s, st, rope, kw)
+    allt = torch.cat([txt_s, img_s])  # joint order
+    st_all = _StreamTemb(txt=None, img=None, all_tokens=torch.cat([st.txt, st.img]))
+    empty = allt.new_zeros(allt.shape[0], 0, D)
+    for block in model.single_transformer_blocks:
+        _, allt = _call(model, block, allt, empty, st_all, rope, kw)
+    img_s = allt[packed.num_txt :]
+    # 4. output head on image tokens (per-token norm_out modulation), back to routed order
+    out_img = model.proj_out(model.norm_out(img_s, st.img))[:, 0]  # (R_img, C)
+    out = merge_streams(out_img.new_zeros(packed.num_txt, out_img.shape[1]), out_img, r_inv)
+    out_local = ex.reverse_route(out)  # (T, C) local order
+    img_rows = out_local.index_select(0, i_img)
+    result = PackedFluxOutput(torch.split(img_rows, img_lens) if img_lens else [])
+    result.flat = img_rows
+    return result
+
+
+def _call(model, block, hidden, encoder, temb, rope, kw):
+    if torch.is_grad_enabled() and getattr(model, "gradient_checkpointing", False):
+        return model._gradient_checkpointing_func(block, hidden, encoder, temb, rope, kw)
+    return block(
+        hidden_states=hidden, encoder_hidden_states=encoder, temb=temb, image_rotary_emb=rope, joint_attention_kwargs=kw
+    )
+
+
+def _cat(parts, empty_shape, device, dtype):
+    if parts:
+        t = torch.cat([p.to(device) for p in parts])
+    else:
+        t = torch.zeros(empty_shape, device=device)
+    return t if dtype is None else t.to(dtype)
+
+
+def _stack(values, device, dtype):
+    if not values:
+        return torch.zeros(0, device=device, dtype=dtype)
+    return torch.stack([torch.as_tensor(v).reshape(()) for v in values]).to(device=device, dtype=dtype)

@@ -1,0 +1,118 @@
+"""Shared helpers for the diffusers Flux tests (tiny random model, samples, stock reference)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+TINY = dict(
+    patch_size=1,
+    in_channels=4,
+    num_layers=1,
+    num_single_layers=1,
+    attention_head_dim=8,
+    num_attention_heads=2,
+    joint_attention_dim=8,
+    pooled_projection_dim=8,
+    axes_dims_rope=(2, 2, 4),
+)
+
+
+def tiny_flux(guidance: bool = False, seed: int = 0):
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(seed)
+    return FluxTransformer2DModel(**TINY, guidance_embeds=guidance).double()
+
+
+def make_sample(h: int, w: int, txt: int, seed: int, guidance: bool = False):
+    from knapformer.integrations.diffusers import FluxSample
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.zeros(h, w, 3, dtype=torch.float64)
+    ids[..., 1] = torch.arange(h, dtype=torch.float64)[:, None]
+    ids[..., 2] = torch.arange(w, dtype=torch.float64)[None, :]
+    return FluxSample(
+        latents=torch.randn(h * w, 4, generator=g, dtype=torch.float64),
+        text=torch.randn(txt, 8, generator=g, dtype=torch.float64),
+        pooled=torch.randn(8, generator=g, dtype=torch.float64),
+        timestep=torch.rand((), generator=g, dtype=torch.float64),
+        img_ids=ids.reshape(-1, 3),
+        txt_ids=torch.zeros(txt, 3, dtype=torch.float64),
+        guidance=torch.tensor(3.5, dtype=torch.float64) if guidance else None,
+    )
+
+
+def stock_forward(model, s):
+    out = model(
+        hidden_states=s.latents[None],
+        encoder_hidden_states=s.text[None],
+        pooled_projections=s.pooled[None],
+        timestep=s.timestep[None],
+        img_ids=s.img_ids,
+        txt_ids=s.txt_ids,
+        guidance=None if s.guidance is None else s.guidance[None],
+        return_dict=False,
+    )[0]
+    return out[0]
+
+
+def targets(samples, seed=99):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s.latents.shape[0], 4, generator=g, dtype=torch.float64) for s in samples]
+
+
+# (h, w, text) per sample, per rank
+RANK_SAMPLES = {
+    "g2n1": [[(4, 6, 3)], []],  # one sample split over both ranks: rank 1 holds image tokens only
+    "g1n2": [[(2, 2, 5), (5, 4, 1)], [(3, 3, 2)]],
+}
+
+
+def check_flux_balanced(rank: int, world: int, layout: str, wrapper: str) -> dict:
+    from knapformer import SequenceBalancer, WorkloadModel
+    from knapformer.integrations.diffusers import packed_flux_forward
+
+    spec = RANK_SAMPLES[layout]
+    all_samples = [
+        [make_sample(h, w, t, seed=100 * r + i) for i, (h, w, t) in enumerate(spec[r])] for r in range(world)
+    ]
+    flat = [s for r in all_samples for s in r]
+    tg = targets(flat)
+    ref = tiny_flux()
+    model = copy.deepcopy(ref)
+    loss = sum((stock_forward(ref, s) * t).sum() for s, t in zip(flat, tg))
+    loss.backward()
+    if wrapper == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for b in [*model.transformer_blocks, *model.single_transformer_blocks]:
+            fully_shard(b)
+    bal = SequenceBalancer(layout, WorkloadModel(d_model=16))
+    mine = all_samples[rank]
+    first = sum(len(r) for r in all_samples[:rank])
+    outs = packed_flux_forward(model, mine, balancer=bal)
+    with torch.no_grad():
+        for o, s in zip(outs, mine):
+            assert torch.allclose(o, stock_forward(ref, s), atol=1e-10), "balanced output differs"
+    my_t = torch.cat(tg[first : first + len(mine)]) if mine else torch.zeros(0, 4, dtype=torch.float64)
+    (outs.flat * my_t).sum().backward()  # an empty rank joins the backward exchanges through .flat
+    ref_p = dict(ref.named_parameters())
+    missing, worst = [], 0.0
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            missing.append(name)
+            continue
+        g = p.grad
+        if hasattr(g, "full_tensor"):
+            g = g.full_tensor() * world  # FSDP averages
+        else:
+            dist.all_reduce(g)
+        r = ref_p[name].grad
+        worst = max(worst, (g - r).abs().max().item() / max(r.abs().max().item(), 1e-12))
+    assert not missing, f"rank {rank}: parameters without gradient: {missing[:4]}"
+    assert worst < 1e-9, f"{layout}/{wrapper}: gradient relative error {worst:.2e}"
+    seq_id, pos = bal.routed_positions()
+    return {"routed": int(seq_id.numel()), "grad_err": worst}

@@ -1,0 +1,108 @@
+"""Balancing a stock diffusers FluxTransformer2DModel: packed forward == stock per-sample
+forward (fp64, outputs and all gradients); balanced == unbalanced on 2 gloo ranks; FSDP2."""
+
+import copy
+
+import pytest
+import torch
+
+diffusers = pytest.importorskip("diffusers", reason="diffusers is not installed (pip install 'knapformer[diffusers]')")
+
+from knapformer.testing import run_distributed  # noqa: E402
+from tests import flux_workers as W  # noqa: E402
+
+
+@pytest.mark.parametrize("guidance", [False, True])
+def test_packed_forward_equals_stock_per_sample(guidance):
+    from knapformer.integrations.diffusers import packed_flux_forward
+
+    ref = W.tiny_flux(guidance)
+    model = copy.deepcopy(ref)
+    # different resolutions, text lengths and timesteps
+    samples = [
+        W.make_sample(2, 3, 5, 1, guidance),
+        W.make_sample(4, 4, 1, 2, guidance),
+        W.make_sample(3, 5, 7, 3, guidance),
+    ]
+    tg = W.targets(samples)
+    outs = packed_flux_forward(model, samples)
+    stock = [W.stock_forward(ref, s) for s in samples]
+    for o, r in zip(outs, stock):
+        assert o.shape == r.shape and (o - r).abs().max().item() < 1e-10
+    sum((o * t).sum() for o, t in zip(outs, tg)).backward()
+    sum((o * t).sum() for o, t in zip(stock, tg)).backward()
+    ref_p = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        r = ref_p[name].grad
+        assert (p.grad - r).abs().max().item() <= 1e-9 * max(1.0, r.abs().max().item()), name
+
+
+def test_stock_api_unchanged_after_prepare():
+    from knapformer.integrations.diffusers import prepare_flux
+
+    ref = W.tiny_flux()
+    model = copy.deepcopy(ref)
+    prepare_flux(model)
+    s = W.make_sample(3, 3, 4, 7)
+    with torch.no_grad():
+        assert torch.equal(W.stock_forward(model, s), W.stock_forward(ref, s))
+
+
+def test_packing_different_timesteps_needs_per_token_modulation():
+    """Sanity check of the premise: one shared temb for two packed samples is wrong."""
+    from knapformer.integrations.diffusers import packed_flux_forward
+
+    model = W.tiny_flux()
+    a, b = W.make_sample(2, 2, 2, 1), W.make_sample(2, 2, 2, 2)
+    b.timestep = a.timestep + 0.5
+    outs = packed_flux_forward(model, [a, b])
+    with torch.no_grad():
+        assert (outs[1] - W.stock_forward(model, b)).abs().max() < 1e-10
+        b2 = copy.copy(b)
+        b2.timestep = a.timestep
+        assert (W.stock_forward(model, b2) - W.stock_forward(model, b)).abs().max() > 1e-4
+
+
+def test_missing_guidance_is_a_clear_error():
+    from knapformer.integrations.diffusers import packed_flux_forward
+
+    with pytest.raises(ValueError, match="every FluxSample needs a guidance value"):
+        packed_flux_forward(W.tiny_flux(guidance=True), [W.make_sample(2, 2, 2, 1, guidance=False)])
+
+
+@pytest.mark.parametrize("layout, wrapper", [("g1n2", "none"), ("g2n1", "none"), ("g2n1", "fsdp")])
+def test_balanced_equals_unbalanced_on_two_ranks(layout, wrapper):
+    """Outputs and all-reduced gradients equal the stock per-sample computation; in g2n1 one
+    sample is split over both ranks and rank 1 holds image tokens only; no grad is None."""
+    res = run_distributed(W.check_flux_balanced, 2, layout, wrapper, timeout=240)
+    assert all(r["routed"] > 0 for r in res)
+
+
+def test_simulator_runs_the_diffusers_model():
+    from knapformer.tools.sim_config import SimConfig
+    from knapformer.tools.simulate import simulate
+
+    rep = simulate(
+        SimConfig(
+            ranks=2,
+            model="diffusers-flux-tiny",
+            mix="g1b2i128f1s0,g1b1i256f1s0",
+            scale=2,
+            steps=1,
+            warmup=0,
+            peak_tflops=0.01,
+            progress=False,
+        )
+    )
+    assert rep["loss_match"] and rep["modes"]["balanced"]["predicted_imbalance_after"] < 0.05
+
+
+def test_missing_extra_message(monkeypatch):
+    import sys
+
+    from knapformer.integrations import diffusers as integ
+
+    monkeypatch.setitem(sys.modules, "diffusers", None)
+    with pytest.raises(ImportError, match=r"pip install 'knapformer\[diffusers\]'"):
+        integ.require_diffusers()
