@@ -138,6 +138,15 @@ class PlanProblem:
         return np.asarray([len(b) * self.speed[list(b)].min() for b in self.bags])
 
     @cached_property
+    def bag_class(self) -> tuple[np.ndarray, int]:
+        """(B,) class id of each bag (same size and capacity: interchangeable for the fluid
+        objective) and the number of classes."""
+        keys = np.stack([self.bag_size.astype(np.float64), self.bag_capacity], axis=1)
+        _, inv = np.unique(keys, axis=0, return_inverse=True)
+        inv = inv.reshape(-1)
+        return inv, int(inv.max()) + 1
+
+    @cached_property
     def bag_of_rank(self) -> np.ndarray:
         """(S,) bag index of each rank."""
         out = np.empty(self.num_ranks, dtype=np.int64)

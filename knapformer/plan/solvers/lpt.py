@@ -5,8 +5,8 @@ Starts (each polished by :func:`~knapformer.plan.solvers.refine.local_search`):
 - **LPT**: sequences by decreasing work, each to the bag where it would *finish* earliest
   (``(load + work) / capacity``), skipping bags that would break the memory cap — the classic
   rule for machines of different speeds (a k-rank bag is a k× faster machine). Above
-  ``_HEAP_ITEMS`` sequences only the largest ones go through the heap loop; the small rest is
-  water-filled in one vectorised pass (local search mends the rounding).
+  ``_HEAP_ITEMS`` sequences only the largest and the smallest go through the heap loop; the
+  middle is placed in vectorised rounds of batched LPT (:func:`_rounds`).
 - **home**: each bag keeps its own ranks' sequences (largest first) up to the fluid level; the
   overflow is inserted LPT-style. Few tokens move when the input is nearly balanced.
 - **paper**: the paper's rule, so the result is never worse than the baseline.
@@ -86,27 +86,24 @@ def _insert(problem: PlanProblem, items: list[int], seq_bag: np.ndarray, load: n
     tok[:] = tok_l
 
 
-def _waterfill(problem: PlanProblem, items: np.ndarray, seq_bag: np.ndarray, load: np.ndarray, reserve: float) -> None:
-    """Pour ``items`` (in order) into bags up to a common level, in one vectorised pass,
-    leaving ``reserve`` work of room (spread by capacity) for a later exact insertion."""
-    w = problem.work[items]
+def _rounds(problem: PlanProblem, items: np.ndarray, seq_bag: np.ndarray, load: np.ndarray) -> None:
+    """Batched LPT for many items, in place: a k-rank bag is k slots that fill together, so
+    each round takes the next S items (S = ranks) and gives them, largest first, to the S slots
+    with the earliest projected finish ``(load + (j + ½)·mean item) / capacity`` (slot j of its
+    bag). O(rounds · S log S) numpy instead of a Python step per item."""
     kap = problem.bag_capacity
-    level = _water_level(load, kap, float(w.sum()) + reserve)
-    room = np.maximum(level * kap - load - reserve * kap / kap.sum(), 0.0)
-    edges = np.cumsum(room)
-    mid = np.cumsum(w) - w / 2
-    target = np.minimum(np.searchsorted(edges, mid, side="right"), len(kap) - 1)
-    seq_bag[items] = target
-    load += np.bincount(target, weights=w, minlength=len(kap))
-
-
-def _water_level(load: np.ndarray, kap: np.ndarray, volume: float) -> float:
-    """Level M with sum(max(0, M*kap - load)) == volume."""
-    order = np.argsort(load / kap, kind="stable")
-    lv, kp = (load / kap)[order], kap[order]
-    levels = (volume + np.cumsum(load[order])) / np.cumsum(kp)  # if the first j+1 bags fill
-    ok = np.append(lv[1:] >= levels[:-1], True)  # the next bag is already above that level
-    return float(levels[int(np.argmax(ok))])
+    slots_bag = np.repeat(np.arange(len(kap)), problem.bag_size)
+    slots_j = np.arange(slots_bag.size) - np.repeat(np.cumsum(problem.bag_size) - problem.bag_size, problem.bag_size)
+    S = slots_bag.size
+    w_all = problem.work
+    for start in range(0, items.size, S):
+        chunk = items[start : start + S]
+        w = w_all[chunk]
+        finish = (load[slots_bag] + (slots_j + 0.5) * w.mean()) / kap[slots_bag]
+        best = np.argsort(finish, kind="stable")[: chunk.size]
+        target = slots_bag[best]
+        seq_bag[chunk] = target
+        load += np.bincount(target, weights=w, minlength=len(kap))
 
 
 def lpt_assignment(problem: PlanProblem) -> np.ndarray:
@@ -122,7 +119,7 @@ def lpt_assignment(problem: PlanProblem) -> np.ndarray:
     h = t = min(2 * B, _HEAP_ITEMS // 2)
     head, middle, tail = order[:h], order[h:-t], order[-t:]
     _insert(problem, head.tolist(), seq_bag, load, tok)
-    _waterfill(problem, middle, seq_bag, load, float(problem.work[tail].sum()))
+    _rounds(problem, middle, seq_bag, load)
     tok[:] = np.bincount(seq_bag[order[:-t]], weights=problem.lengths[order[:-t]], minlength=B)
     _insert(problem, tail.tolist(), seq_bag, load, tok)
     return seq_bag
@@ -163,7 +160,10 @@ def solve_lpt(problem: PlanProblem, *, time_budget_s: float | None = None) -> Pl
     tol = float(problem.extra.get("tie_tolerance", 1e-4))
     candidates: list[Plan] = []
     starts: list[np.ndarray] = []
-    for make in (lpt_assignment, home_assignment):
+    # above _HEAP_ITEMS sequences the home start's long local search costs more than it saves;
+    # locality then comes from relabelling interchangeable bags
+    makers = (lpt_assignment, home_assignment) if problem.num_seqs <= _HEAP_ITEMS else (lpt_assignment,)
+    for make in makers:
         try:
             starts.append(make(problem))
         except ValueError:

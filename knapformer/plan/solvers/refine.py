@@ -48,7 +48,7 @@ def local_search(
     home = problem.bag_of_rank[problem.src_rank]
     load = np.bincount(seq_bag, weights=w, minlength=B)
     tok = np.bincount(seq_bag, weights=L, minlength=B).astype(np.int64)
-    cls, num_cls = _bag_class_ids(problem)
+    cls, num_cls = problem.bag_class
     bag_ids = np.arange(B)
     cls_start = np.searchsorted(np.sort(cls), np.arange(num_cls))  # first slot of each class
     cls_count = np.bincount(cls, minlength=num_cls)
@@ -124,14 +124,6 @@ def local_search(
     return seq_bag
 
 
-def _bag_class_ids(problem: PlanProblem) -> tuple[np.ndarray, int]:
-    """(B,) class id of each bag (same size and capacity) and the number of classes."""
-    keys = np.stack([problem.bag_size.astype(np.float64), problem.bag_capacity], axis=1)
-    _, inv = np.unique(keys, axis=0, return_inverse=True)
-    inv = inv.reshape(-1)
-    return inv, int(inv.max()) + 1
-
-
 def relabel_for_locality(problem: PlanProblem, seq_bag: np.ndarray) -> np.ndarray:
     """Permute whole bag contents among interchangeable bags (same size, same member speeds)
     so that as many tokens as possible stay on their source rank. Predicted times are
@@ -141,7 +133,7 @@ def relabel_for_locality(problem: PlanProblem, seq_bag: np.ndarray) -> np.ndarra
         return seq_bag
     speed = problem.speed
     if (speed == speed[0]).all():
-        cls_id, _ = _bag_class_ids(problem)
+        cls_id, _ = problem.bag_class
     else:  # interchangeable only if every member's speed matches, position by position
         keys = {(len(b), tuple(speed[list(b)].tolist())) for b in problem.bags}
         index = {key: i for i, key in enumerate(sorted(keys))}
