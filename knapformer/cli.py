@@ -160,6 +160,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def run_tool(name: str, parser: argparse.ArgumentParser, run, argv: Sequence[str] | None = None) -> int:
+    """Entry point of a tool module run on its own (``python -m knapformer.tools.X``): the
+    same one-line error contract as the ``knapformer`` CLI."""
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except (ValueError, TypeError, OSError) as exc:
+        print(f"knapformer {name}: error: {exc}", file=sys.stderr)
+        return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:

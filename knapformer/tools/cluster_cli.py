@@ -121,14 +121,11 @@ def run_cli(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from knapformer.cli import run_tool
+
     p = argparse.ArgumentParser(prog="knapformer cluster", description=__doc__.splitlines()[0])
     add_args(p)
-    args = p.parse_args(argv)
-    try:
-        return run_cli(args)
-    except ValueError as exc:
-        print(f"knapformer cluster: error: {exc}", file=sys.stderr)
-        return 2
+    return run_tool("cluster", p, run_cli, argv)
 
 
 if __name__ == "__main__":

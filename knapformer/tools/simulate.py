@@ -356,12 +356,9 @@ def run_cli(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return run_cli(args)
-    except ValueError as exc:
-        print(f"knapformer simulate: error: {exc}", file=sys.stderr)
-        return 2
+    from knapformer.cli import run_tool
+
+    return run_tool("simulate", build_parser(), run_cli, argv)
 
 
 if __name__ == "__main__":
