@@ -4,7 +4,10 @@
 
 Rows: the paper's three mixes under uniform layouts (32 ranks) and a mixed layout (64 ranks),
 plus small random instances where the exact MILP (scipy/HiGHS) proves the optimum. Columns:
-imbalance (max/mean-1) after, makespan / lower bound, makespan / optimum (when proven).
+imbalance (max/mean-1) after, makespan / lower bound, makespan / optimum (when proven), and
+makespan / best bound, where the best bound is the optimum when proven, else the larger of
+the plan's lower bound and the proven optimum of the 24 largest sequences alone (a valid
+lower bound that is tight when a few huge sequences dominate).
 """
 
 from __future__ import annotations
@@ -32,10 +35,33 @@ def exact_makespan(lens, layout, model, seconds):
         return None
 
 
+def subset_bound(lens, layout, model, m, seconds):
+    """A lower bound stronger than the plan's when a few huge sequences dominate: the proven
+    fluid optimum of only the m largest sequences (dropping sequences never raises the
+    optimum, and a plan's exact makespan is never below its fluid makespan)."""
+    from knapformer.plan import PlanProblem
+
+    flat = sorted(((model.cost(v), r, i) for r, row in enumerate(lens) for i, v in enumerate(row)), reverse=True)
+    keep = {(r, i) for _, r, i in flat[:m]}
+    sub = [[v for i, v in enumerate(row) if (r, i) in keep] for r, row in enumerate(lens)]
+    try:
+        plan = plan_sequences(sub, layout, model, solver="exact", time_budget_s=seconds)
+    except RuntimeError:
+        return None
+    p = PlanProblem(seq_lens=sub, layout=layout, model=model)
+    load = np.bincount(plan.seq_bag, weights=p.work, minlength=len(p.bags))
+    return float((load / p.bag_capacity).max())
+
+
 def row(name, layout, lens, model, exact_seconds):
     paper = plan_sequences(lens, layout, model, solver="paper")
     ours = plan_sequences(lens, layout, model)
     opt = exact_makespan(lens, layout, model, exact_seconds) if exact_seconds > 0 else None
+    if opt is None and exact_seconds > 0 and ours.gap_to_bound > 1.002:
+        sub = subset_bound(lens, layout, model, 24, exact_seconds)
+        bound = max(ours.lower_bound, sub or 0.0)
+    else:
+        bound = ours.lower_bound
     best_known = min(x for x in (opt, ours.makespan) if x is not None)
     return {
         "instance": name,
@@ -48,6 +74,7 @@ def row(name, layout, lens, model, exact_seconds):
         "paper/opt": paper.makespan / opt if opt else None,
         "ours/opt": ours.makespan / opt if opt else None,
         "ours/paper": ours.makespan / paper.makespan,
+        "ours/best_bound": ours.makespan / (opt or bound),
         "ours/best": ours.makespan / best_known,
         "moved_paper": paper.tokens_moved,
         "moved_ours": ours.tokens_moved,
@@ -90,15 +117,19 @@ def main() -> None:
         ("paper/opt", ".5f"),
         ("ours/opt", ".5f"),
         ("ours/paper", ".5f"),
+        ("ours/best_bound", ".5f"),
         ("moved_paper", "d"),
         ("moved_ours", "d"),
     ]
     print_table(rows, cols)
     worse = [r for r in rows if r["ours/paper"] > 1 + 1e-12]
     ratios = [r["ours/opt"] for r in rows if r["ours/opt"] is not None]
+    best = max(r["ours/best_bound"] for r in rows)
     print(
         f"\ninstances: {len(rows)}; ours worse than paper: {len(worse)}; "
-        f"ours/opt where proven: max {max(ratios):.5f} over {len(ratios)}"
+        f"ours/opt where proven: max {max(ratios):.5f} over {len(ratios)}; "
+        f"ours / best bound (optimum, or the larger of the plan's bound and the top-24 subset optimum): "
+        f"max {best:.5f}"
         if ratios
         else ""
     )
