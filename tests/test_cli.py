@@ -62,3 +62,12 @@ def test_entry_point_runs_without_traceback(tmp_path):
     )
     assert res.returncode == 2
     assert "Traceback" not in res.stderr and "must be a positive length" in res.stderr
+
+
+def test_plan_demo_writes_table_and_chart(tmp_path, capsys):
+    assert main(["demo", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "table.json").read_text())
+    assert len(rows) == 3 * 4 * 2
+    assert all(r["imbalance_after"] <= r["imbalance_before"] + 1e-12 for r in rows)
+    assert (tmp_path / "rank_work.png").stat().st_size > 0
+    assert "paper-joint" in capsys.readouterr().out
