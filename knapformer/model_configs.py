@@ -92,6 +92,7 @@ class DiffusersFluxConfig:
 PRESETS: dict[str, MMDiTConfig | TransformerConfig] = {
     "mmdit-tiny": MMDiTConfig(in_dim=16, vec_dim=16, dim=64, num_heads=4, num_double=2, num_single=2, out_dim=16),
     "mmdit-small": MMDiTConfig(in_dim=32, vec_dim=32, dim=128, num_heads=4, num_double=2, num_single=4, out_dim=32),
+    "mmdit-base": MMDiTConfig(in_dim=32, vec_dim=32, dim=256, num_heads=4, num_double=1, num_single=2, out_dim=32),
     "flux": MMDiTConfig(in_dim=64, vec_dim=768, dim=3072, num_heads=24, num_double=19, num_single=38, out_dim=64),
     "transformer-tiny": TransformerConfig(in_dim=16, dim=64, num_heads=4, num_layers=2, out_dim=16),
     "diffusers-flux-tiny": DiffusersFluxConfig(),
