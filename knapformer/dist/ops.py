@@ -152,7 +152,7 @@ def post_attn(tensors: Sequence[torch.Tensor], spec: RouteSpec, group=None) -> l
     def after(t: torch.Tensor) -> torch.Tensor:  # (k*R, h/k, D) by member -> (R, h, D)
         _, hk, D = t.shape
         R = spec.num_routed
-        t = t.reshape(k, R, hk, D).index_select(0, idx["head_order"].argsort())
+        t = t.reshape(k, R, hk, D).index_select(0, idx["head_inverse"])
         return t.transpose(0, 1).reshape(R, k * hk, D)
 
     return _packed_exchange(

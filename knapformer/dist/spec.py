@@ -90,6 +90,7 @@ class RouteSpec:
             d = {n: getattr(self, n).to(device) for n in names}
             d["send_inverse"] = torch.empty_like(d["send_index"])
             d["send_inverse"][d["send_index"]] = torch.arange(self.num_local, device=device)
+            d["head_inverse"] = torch.argsort(d["head_order"])
             d["attn_inverse"] = torch.empty_like(d["attn_index"])
             d["attn_inverse"][d["attn_index"]] = torch.arange(self.num_attn, device=device)
             lens = torch.tensor([0] + self.attn_seq_lens, dtype=torch.int64)
