@@ -28,3 +28,9 @@ def test_bad_input_raises_on_every_rank(world):
     """Every robustness case raises a clear error on all ranks; none hangs."""
     msgs = run_distributed(W.check_robustness, world, timeout=120)
     assert all(len(m) == 5 for m in msgs)
+
+
+def test_non_contiguous_groups_changing_every_step():
+    """Bags like (2, 0) and (3, 1), different each step, run over the one group communicator."""
+    res = run_distributed(W.check_arbitrary_groups, 4, 11, timeout=180)
+    assert res[0][0] == ((2, 0), (3, 1))

@@ -134,6 +134,18 @@ class SequenceBalancer:
         self._spec = build_route_spec(plan, self.group_rank)
         return plan
 
+    def use_plan(self, plan: Plan) -> Plan:
+        """Execute a plan made elsewhere (any grouping of ranks: non-contiguous, per step).
+        Not a collective: every rank must pass the identical plan (``debug=True`` checks).
+        The local tensors must follow ``plan.seq_lens[group_rank]``."""
+        if plan.num_ranks != self.layout.group_size:
+            raise ValueError(f"plan has {plan.num_ranks} ranks, the balancing group {self.layout.group_size}")
+        if self.debug:
+            self._check_same_plan(plan, _group_device(self.group))
+        self._plan = plan
+        self._spec = build_route_spec(plan, self.group_rank)
+        return plan
+
     def _check_same_plan(self, plan: Plan, device: torch.device) -> None:
         h = int(plan.digest()[:15], 16)
         lo = torch.tensor([h], dtype=torch.int64, device=device)
