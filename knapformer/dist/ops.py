@@ -133,7 +133,9 @@ def pre_attn(tensors: Sequence[torch.Tensor], spec: RouteSpec, group=None) -> li
 
     def before(t: torch.Tensor) -> torch.Tensor:  # (R, h, D) -> (k*R, h/k, D) grouped by member
         R, _, D = t.shape
-        t = t.reshape(R, k, h // k, D).index_select(1, idx["head_order"])
+        t = t.reshape(R, k, h // k, D)
+        if not spec.heads_in_order:
+            t = t.index_select(1, idx["head_order"])
         return t.transpose(0, 1).reshape(k * R, h // k, D)
 
     return _packed_exchange(
@@ -152,7 +154,9 @@ def post_attn(tensors: Sequence[torch.Tensor], spec: RouteSpec, group=None) -> l
     def after(t: torch.Tensor) -> torch.Tensor:  # (k*R, h/k, D) by member -> (R, h, D)
         _, hk, D = t.shape
         R = spec.num_routed
-        t = t.reshape(k, R, hk, D).index_select(0, idx["head_inverse"])
+        t = t.reshape(k, R, hk, D)
+        if not spec.heads_in_order:
+            t = t.index_select(0, idx["head_inverse"])
         return t.transpose(0, 1).reshape(R, k * hk, D)
 
     return _packed_exchange(

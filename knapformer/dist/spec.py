@@ -66,6 +66,8 @@ class RouteSpec:
     attn_recv_splits: list[int]
     head_order: torch.Tensor
     """(k,) head group sent to each bag member, members in ascending rank order."""
+    heads_in_order: bool
+    """Bag members already ascending (the usual case): no head-group reordering per layer."""
     attn_index: torch.Tensor
     """(A,) row of the received buffer for each attention-order token."""
     attn_seq_lens: list[int]
@@ -171,6 +173,7 @@ def build_route_spec(plan: Plan, rank: int) -> RouteSpec:
         attn_send_splits=attn_send.tolist(),
         attn_recv_splits=attn_recv.tolist(),
         head_order=torch.from_numpy(head_order),
+        heads_in_order=members == ascending,
         attn_index=torch.from_numpy(attn_index),
         attn_seq_lens=flat_lens[seq_ids].tolist(),
         attn_seq_ids=seq_ids.tolist(),
