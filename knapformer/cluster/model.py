@@ -28,7 +28,7 @@ import numpy as np
 
 from knapformer.cluster.hardware import Hardware
 from knapformer.plan import Plan
-from knapformer.plan.plan import DST, LEN, SRC
+from knapformer.plan.plan import DST, LEN, SRC, spread_over_bags
 from knapformer.workload import WorkloadModel, transformer_flops
 
 __all__ = ["ModelShape", "StepPrediction", "predict_step", "predict_unbalanced", "a2a_seconds"]
@@ -123,18 +123,11 @@ def a2a_seconds(sent: np.ndarray, recv: np.ndarray, bw: float, latency: float) -
 def _rank_load(plan: Plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(tokens, Σ L²/k, sequences run) per rank under ``plan``."""
     S = plan.num_ranks
-    ch = plan.chunks
-    tokens = np.bincount(ch[:, DST], weights=ch[:, LEN], minlength=S)
     lens = np.asarray([v for r in plan.seq_lens for v in r], dtype=np.float64)
-    sizes = np.asarray([len(b) for b in plan.bags], dtype=np.float64)
-    k = sizes[plan.seq_bag] if lens.size else np.zeros(0)
-    per_bag_quad = np.bincount(plan.seq_bag, weights=lens * lens / np.maximum(k, 1), minlength=len(plan.bags))
-    per_bag_count = np.bincount(plan.seq_bag, minlength=len(plan.bags)).astype(np.float64)
-    quad, count = np.zeros(S), np.zeros(S)
-    for b, members in enumerate(plan.bags):
-        quad[list(members)] += per_bag_quad[b]
-        count[list(members)] += per_bag_count[b]
-    return tokens, quad, count
+    k = np.asarray([len(b) for b in plan.bags], dtype=np.float64)[plan.seq_bag]
+    quad = spread_over_bags(plan.bags, plan.seq_bag, lens * lens / k, S)
+    count = spread_over_bags(plan.bags, plan.seq_bag, np.ones_like(lens), S)
+    return plan.tokens_per_rank().astype(np.float64), quad, count
 
 
 def _compute_seconds(tokens, quad, count, shape: ModelShape, hw: Hardware, profile: WorkloadModel | None):

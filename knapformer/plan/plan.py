@@ -24,7 +24,7 @@ import numpy as np
 
 from knapformer.plan.problem import PlanProblem
 
-__all__ = ["Plan", "build_plan", "chunk_table"]
+__all__ = ["Plan", "build_plan", "chunk_table", "spread_over_bags"]
 
 SRC, IDX, START, LEN, DST = range(5)
 
@@ -62,6 +62,15 @@ def chunk_table(problem: PlanProblem, seq_bag: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(table, dtype=np.int64)
 
 
+def spread_over_bags(bags, seq_bag: np.ndarray, per_seq: np.ndarray, num_ranks: int) -> np.ndarray:
+    """(S,) for each rank, the sum of ``per_seq`` over the sequences of its bag(s): what every
+    member of a bag pays for each of the bag's sequences (e.g. its share of attention)."""
+    per_bag = np.bincount(seq_bag, weights=per_seq, minlength=len(bags))
+    members = np.fromiter((r for b in bags for r in b), dtype=np.int64)
+    owner = np.repeat(np.arange(len(bags)), [len(b) for b in bags])
+    return np.bincount(members, weights=per_bag[owner], minlength=num_ranks)
+
+
 def rank_work(problem: PlanProblem, seq_bag: np.ndarray, chunks: np.ndarray) -> np.ndarray:
     """(S,) predicted work per rank: linear part of its tokens + its share of each bag
     sequence's attention + the per-sequence cost (ranks holding zero tokens of a sequence
@@ -69,11 +78,7 @@ def rank_work(problem: PlanProblem, seq_bag: np.ndarray, chunks: np.ndarray) -> 
     S = problem.num_ranks
     lin = problem.model.lin(np.bincount(chunks[:, DST], weights=chunks[:, LEN], minlength=S))
     quad_share = problem.model.quad(problem.lengths) / problem.bag_size[seq_bag] + problem.model.per_seq
-    bag_quad = np.bincount(seq_bag, weights=quad_share, minlength=len(problem.bags))
-    mat = problem.bag_rank_matrix
-    valid = mat >= 0
-    rank_quad = np.bincount(mat[valid], weights=np.broadcast_to(bag_quad[:, None], mat.shape)[valid], minlength=S)
-    return lin + rank_quad
+    return lin + spread_over_bags(problem.bags, seq_bag, quad_share, S)
 
 
 @dataclass(frozen=True, eq=False)
