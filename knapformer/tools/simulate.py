@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from knapformer.data.batches import make_batch
-from knapformer.models import LocalExecutor, MMDiT, build_model, preset
+from knapformer.models import DiffusersFluxConfig, LocalExecutor, MMDiT, build_model, preset
 from knapformer.tools.sim_config import DEMO_MIX, SimConfig, build_parser, config_from_args
 from knapformer.workload import WorkloadModel
 
@@ -80,29 +80,31 @@ class _BusyTimer:
             self.seconds = time.thread_time() - self.t0
 
 
-def _forward(model, batch, executor):
-    core = getattr(model, "module", model)
-    if hasattr(core, "single_transformer_blocks"):  # a diffusers Flux model
-        from knapformer.integrations.diffusers import packed_flux_forward, samples_from_batch
+def _flux_inputs(batch, mcfg):
+    """Flux samples of a batch and the targets of their image rows, built once per step."""
+    from knapformer.integrations.diffusers import samples_from_batch
 
-        samples = samples_from_batch(batch, _FLUX_CFG[0], seed=0)
-        bal = executor if not isinstance(executor, LocalExecutor) else None
-        out = packed_flux_forward(core, samples, balancer=bal).flat
-        # loss on image tokens: align targets to the image rows
-        return out, torch.cat([batch.target[s + t : s + n] for s, n, t in _starts(batch)]) if samples else out
-    if isinstance(core, MMDiT):
-        return model(batch.x, batch.seq_lens, batch.txt_lens, batch.t, batch.vec, executor=executor)
-    return model(batch.x, batch.seq_lens, executor=executor)
-
-
-_FLUX_CFG: list = [None]
-
-
-def _starts(batch):
-    s = 0
+    samples = samples_from_batch(batch, mcfg, seed=0)
+    rows, start = [], 0
     for n, t in zip(batch.seq_lens, batch.txt_lens.tolist()):
-        yield s, n, t
-        s += n
+        rows.append(batch.target[start + t : start + n])
+        start += n
+    target = torch.cat(rows) if rows else batch.target[:0]
+    return samples, target
+
+
+def _forward(model, batch, executor, flux=None):
+    """(output, target) of one forward; ``flux`` = :func:`_flux_inputs` for diffusers models."""
+    core = getattr(model, "module", model)
+    if flux is not None:
+        from knapformer.integrations.diffusers import packed_flux_forward
+
+        samples, target = flux
+        bal = executor if not isinstance(executor, LocalExecutor) else None
+        return packed_flux_forward(core, samples, balancer=bal).flat, target  # loss on image rows
+    if isinstance(core, MMDiT):
+        return model(batch.x, batch.seq_lens, batch.txt_lens, batch.t, batch.vec, executor=executor), batch.target
+    return model(batch.x, batch.seq_lens, executor=executor), batch.target
 
 
 def _sync_grads(model: torch.nn.Module, world: int) -> None:
@@ -126,7 +128,7 @@ def _worker(rank: int, world: int, cfg: SimConfig) -> dict:
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
     dtype = getattr(torch, cfg.dtype)
     mcfg = preset(cfg.model)
-    _FLUX_CFG[0] = mcfg
+    is_flux = isinstance(mcfg, DiffusersFluxConfig)
     torch.manual_seed(cfg.seed)
     base = build_model(mcfg).to(device=device)
     if dtype != torch.float32:
@@ -140,8 +142,6 @@ def _worker(rank: int, world: int, cfg: SimConfig) -> dict:
         if cfg.profile
         else WorkloadModel(d_model=mcfg.dim, gamma=cfg.gamma, num_layers=mcfg.num_layers)
     )
-    if cost.d_model != mcfg.dim:
-        raise ValueError(f"profile d_model {cost.d_model} does not match model {cfg.model!r} (dim {mcfg.dim})")
     bags = cfg.bags or f"g{world}n1"
     bal = SequenceBalancer(bags, cost)
     flops_model = WorkloadModel(d_model=mcfg.dim, num_layers=mcfg.num_layers)
@@ -165,6 +165,7 @@ def _worker(rank: int, world: int, cfg: SimConfig) -> dict:
         counts = torch.tensor([batch.num_tokens], dtype=torch.int64, device=device)
         dist.all_reduce(counts)
         global_tokens = int(counts)
+        flux = _flux_inputs(batch, mcfg) if is_flux else None
         for mode in ("unbalanced", "balanced"):
             model, opt = models[mode], opts[mode]
             dist.barrier()
@@ -179,8 +180,7 @@ def _worker(rank: int, world: int, cfg: SimConfig) -> dict:
             plan_s = time.perf_counter() - plan_t
             fb0 = time.perf_counter()
             with _BusyTimer(device) as busy:
-                out = _forward(model, batch, executor)
-                out, target = out if isinstance(out, tuple) else (out, batch.target)
+                out, target = _forward(model, batch, executor, flux)
                 loss = ((out.float() - target.float()) ** 2).sum() / global_tokens
                 loss.backward()
             _sync(device)
