@@ -29,7 +29,9 @@ import torch.distributed as dist
 
 from knapformer.dist.spec import RouteSpec
 
-__all__ = ["all_to_all", "route", "reverse_route", "pre_attn", "post_attn", "check_heads", "gather_sequences"]
+__all__ = [
+    "all_to_all", "permute_rows", "route", "reverse_route", "pre_attn", "post_attn", "check_heads", "gather_sequences",
+]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -60,25 +62,71 @@ def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group=None) ->
     return _AllToAll.apply(x, send, recv, group)
 
 
+class _PermuteRows(torch.autograd.Function):
+    """``x[index]`` for a full row permutation; backward gathers with the inverse permutation
+    (autograd's ``index_select`` backward would zero-fill and scatter-add instead)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+def permute_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """Differentiable ``x[index]`` where ``index`` is a permutation of all rows of ``x`` and
+    ``inverse`` its inverse (both precomputed once per plan)."""
+    return _PermuteRows.apply(x, index, inverse)
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _rows_by_features(t: torch.Tensor) -> torch.Tensor:
+    """(N, *F) -> (N, prod(F)) (also for N == 0)."""
+    return t.reshape(t.shape[0], math.prod(t.shape[1:]))
+
+
 def _packed_exchange(
-    tensors: Sequence[torch.Tensor], send: list[int], recv: list[int], group, before, after
+    tensors: Sequence[torch.Tensor],
+    send: list[int],
+    recv: list[int],
+    group,
+    *,
+    before=None,
+    rows_before=_identity,
+    rows_after=_identity,
+    after=None,
 ) -> list[torch.Tensor]:
-    """Exchange several (N, *F_i) tensors with one collective per dtype.
-    ``before`` reorders rows before sending, ``after`` after receiving."""
+    """Exchange several tensors with one collective per dtype, copying each value as few times
+    as possible (this runs twice per attention layer in multi-rank bags).
+
+    ``before(t)`` gives a (possibly strided) view ``(..., w)`` whose leading dims flatten into
+    the rows to send; the views of one dtype are concatenated along features (one copy), the
+    packed rows are reordered by ``rows_before`` (a row permutation), exchanged, reordered by
+    ``rows_after``, split, and ``after(piece, t)`` shapes each (rows, w) piece (views only)."""
+    if before is None:
+        before = _rows_by_features
+    if after is None:
+        after = lambda piece, t: piece.unflatten(1, t.shape[1:]) if t.dim() > 1 else piece.reshape(-1)  # noqa: E731
     out: list[torch.Tensor | None] = [None] * len(tensors)
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
         by_dtype.setdefault(t.dtype, []).append(i)
     for idx in by_dtype.values():
         sent = [before(tensors[i]) for i in idx]
-        shapes = [tuple(s.shape[1:]) for s in sent]
-        widths = [math.prod(shp) for shp in shapes]
-        flat = [s.reshape(s.shape[0], w) for s, w in zip(sent, widths)]
-        packed = flat[0] if len(flat) == 1 else torch.cat(flat, dim=1)
-        moved = all_to_all(packed, send, recv, group)
-        pieces = [moved] if len(flat) == 1 else torch.split(moved, widths, dim=1)
-        for i, piece, shp in zip(idx, pieces, shapes):
-            out[i] = after(piece.reshape(moved.shape[0], *shp))
+        widths = [s.shape[-1] for s in sent]
+        packed = sent[0].contiguous() if len(sent) == 1 else torch.cat(sent, dim=-1)
+        packed = rows_before(packed.reshape(math.prod(packed.shape[:-1]), sum(widths)))
+        moved = rows_after(all_to_all(packed, send, recv, group))
+        pieces = [moved] if len(sent) == 1 else torch.split(moved, widths, dim=1)
+        for i, piece in zip(idx, pieces):
+            out[i] = after(piece, tensors[i])
     return out  # type: ignore[return-value]
 
 
@@ -87,7 +135,7 @@ def route(tensors: Sequence[torch.Tensor], spec: RouteSpec, group=None) -> list[
     idx = spec.indices_on(tensors[0].device)
     return _packed_exchange(
         tensors, spec.send_splits, spec.recv_splits, group,
-        before=lambda t: t.index_select(0, idx["send_index"]), after=lambda t: t,
+        rows_before=lambda p: permute_rows(p, idx["send_index"], idx["send_inverse"]),
     )
 
 
@@ -96,7 +144,7 @@ def reverse_route(tensors: Sequence[torch.Tensor], spec: RouteSpec, group=None) 
     idx = spec.indices_on(tensors[0].device)
     return _packed_exchange(
         tensors, spec.recv_splits, spec.send_splits, group,
-        before=lambda t: t, after=lambda t: t.index_select(0, idx["send_inverse"]),
+        rows_after=lambda p: permute_rows(p, idx["send_inverse"], idx["send_index"]),
     )
 
 
@@ -107,7 +155,7 @@ def gather_sequences(tensors: Sequence[torch.Tensor], counts: list[int], rank: i
     S = len(counts)
     return _packed_exchange(
         tensors, [counts[rank]] * S, list(counts), group,
-        before=lambda t: t.repeat(S, *([1] * (t.dim() - 1))), after=lambda t: t,
+        before=lambda t: _rows_by_features(t).repeat(S, 1),
     )
 
 
@@ -123,7 +171,11 @@ def check_heads(num_heads: int, spec: RouteSpec) -> None:
 
 
 def pre_attn(tensors: Sequence[torch.Tensor], spec: RouteSpec, group=None) -> list[torch.Tensor]:
-    """(R, h, D) chunks × all heads -> (A, h/k, D) whole sequences × this rank's heads."""
+    """(R, h, D_i) chunks × all heads -> (A, h/k, D_i) whole sequences × this rank's heads.
+
+    q, k and v travel packed: one copy groups them by destination member, one row permutation
+    puts the received rows in attention order, and the outputs are strided views of that
+    buffer (SDPA and flash-attn accept them)."""
     h = tensors[0].shape[1]
     check_heads(h, spec)
     if not spec.any_multi_rank_bag:
@@ -131,16 +183,18 @@ def pre_attn(tensors: Sequence[torch.Tensor], spec: RouteSpec, group=None) -> li
     k = spec.bag_size
     idx = spec.indices_on(tensors[0].device)
 
-    def before(t: torch.Tensor) -> torch.Tensor:  # (R, h, D) -> (k*R, h/k, D) grouped by member
+    def before(t: torch.Tensor) -> torch.Tensor:  # (R, h, D) -> (k, R, h/k * D), a view by member
         R, _, D = t.shape
-        t = t.reshape(R, k, h // k, D)
+        t = t.reshape(R, k, (h // k) * D)
         if not spec.heads_in_order:
             t = t.index_select(1, idx["head_order"])
-        return t.transpose(0, 1).reshape(k * R, h // k, D)
+        return t.transpose(0, 1)
 
     return _packed_exchange(
         tensors, spec.attn_send_splits, spec.attn_recv_splits, group,
-        before=before, after=lambda t: t.index_select(0, idx["attn_index"]),
+        before=before,
+        rows_after=lambda p: permute_rows(p, idx["attn_index"], idx["attn_inverse"]),
+        after=lambda piece, t: piece.unflatten(1, (h // k, t.shape[2])),
     )
 
 
@@ -149,17 +203,18 @@ def post_attn(tensors: Sequence[torch.Tensor], spec: RouteSpec, group=None) -> l
     if not spec.any_multi_rank_bag:
         return list(tensors)
     k = spec.bag_size
+    R = spec.num_routed
     idx = spec.indices_on(tensors[0].device)
 
-    def after(t: torch.Tensor) -> torch.Tensor:  # (k*R, h/k, D) by member -> (R, h, D)
-        _, hk, D = t.shape
-        R = spec.num_routed
-        t = t.reshape(k, R, hk, D)
+    def after(piece: torch.Tensor, t: torch.Tensor) -> torch.Tensor:  # (k*R, h/k*D) by member -> (R, h, D)
+        hk, D = t.shape[1], t.shape[2]
+        piece = piece.reshape(k, R, hk * D)
         if not spec.heads_in_order:
-            t = t.index_select(0, idx["head_inverse"])
-        return t.transpose(0, 1).reshape(R, k * hk, D)
+            piece = piece.index_select(0, idx["head_inverse"])
+        return piece.transpose(0, 1).reshape(R, k * hk, D)
 
     return _packed_exchange(
         tensors, spec.attn_recv_splits, spec.attn_send_splits, group,
-        before=lambda t: t.index_select(0, idx["attn_inverse"]), after=after,
+        rows_before=lambda p: permute_rows(p, idx["attn_inverse"], idx["attn_index"]),
+        after=after,
     )

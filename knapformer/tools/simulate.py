@@ -120,11 +120,27 @@ def _sync_grads(model: torch.nn.Module, world: int) -> None:
         g.copy_(s)
 
 
+def _pin_to_core(local_rank: int, local_world: int) -> int | None:
+    """Pin this process to one core of its allowed set (one rank per core); None if the
+    platform cannot, or there are fewer cores than local ranks."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    if local_world > len(cores):
+        return None
+    os.sched_setaffinity(0, {cores[local_rank]})
+    return cores[local_rank]
+
+
 def _worker(rank: int, world: int, cfg: SimConfig) -> dict:
     from knapformer.dist import SequenceBalancer
     from knapformer.tools.parallelize import apply_checkpointing
 
-    torch.set_num_threads(1) if cfg.device == "cpu" else None
+    if cfg.device == "cpu":
+        torch.set_num_threads(1)
+        if cfg.pin_cpus:
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            _pin_to_core(int(os.environ.get("LOCAL_RANK", rank)), local_world)
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
     dtype = getattr(torch, cfg.dtype)
     mcfg = preset(cfg.model)
