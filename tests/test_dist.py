@@ -34,3 +34,24 @@ def test_non_contiguous_groups_changing_every_step():
     """Bags like (2, 0) and (3, 1), different each step, run over the one group communicator."""
     res = run_distributed(W.check_arbitrary_groups, 4, 11, timeout=180)
     assert res[0][0] == ((2, 0), (3, 1))
+
+
+def test_permute_rows_forward_and_gradient():
+    """The packed-buffer permutation gathers in both directions; its gradient must equal
+    autograd's index_select gradient (a wrong inverse would scramble rows)."""
+    import torch
+
+    from knapformer.dist.ops import permute_rows
+
+    g = torch.Generator().manual_seed(0)
+    index = torch.randperm(7, generator=g)
+    inverse = torch.argsort(index)
+    x = torch.randn(7, 3, dtype=torch.float64, requires_grad=True, generator=g)
+    w = torch.randn(7, 3, dtype=torch.float64, generator=g)
+    (permute_rows(x, index, inverse) * w).sum().backward()
+    ours = x.grad.clone()
+    x.grad = None
+    (x.index_select(0, index) * w).sum().backward()
+    assert torch.equal(permute_rows(x, index, inverse), x[index])
+    assert torch.equal(ours, x.grad)
+    assert torch.autograd.gradcheck(lambda t: permute_rows(t, index, inverse), (x,))
