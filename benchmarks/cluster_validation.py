@@ -93,13 +93,15 @@ def cpu_validation(steps: int, warmup: int) -> dict:
     shape = ModelShape.from_config(preset("mmdit-small"))
     shape = ModelShape(dim=shape.dim, heads=shape.heads, layers=shape.layers, bytes_per_value=4)  # fp32 on CPU
     hw = hardware("cpu-gloo")
-    u_pred, b_pred = [], []
+    u_pred, b_pred, b_parts = [], [], []
     for step in range(warmup, warmup + steps):
         batches = sample_batches(resolve_mix(DEMO_MIX), seed=cfg.seed, step=step, scale=cfg.scale, num_ranks=2)
         lens = [[v + t for v, t in r] for r in batches]
         u_pred.append(predict_unbalanced(lens, shape, hw, profile=profile).step_s)
         plan = plan_sequences(lens, "g2n1", profile)
-        b_pred.append(predict_step(plan, shape, hw, profile=profile).step_s)
+        bp = predict_step(plan, shape, hw, profile=profile)
+        b_pred.append(bp.step_s)
+        b_parts.append([bp.compute_s.max(), (bp.route_s + bp.ulysses_s).max(), bp.sync_s.max()])
     pred = sum(u_pred) / sum(b_pred)
     meas = rep["speedup"]
     out = {
@@ -110,11 +112,23 @@ def cpu_validation(steps: int, warmup: int) -> dict:
         "pred_speedup": pred,
         "meas_speedup": meas,
         "rel_error": pred / meas - 1,
+        # where the balanced time goes: predicted compute / comm / sync-wait of the slowest rank,
+        # measured busy (thread CPU time of fwd+bwd) and the rest of the step (waits, optimizer)
+        "pred_balanced_parts_s": [sum(p[i] for p in b_parts) / steps for i in range(3)],
+        "meas_balanced_busy_s": max(rep["modes"]["balanced"]["busy_per_rank"]),
+        "meas_unbalanced_busy_mean_s": sum(rep["modes"]["unbalanced"]["busy_per_rank"]) / 2,
     }
     print("(2) simulator on 2 CPU ranks (mmdit-small, g2n1), profile profiles/cpu-mmdit-small.json, cpu-gloo link")
     print(
         f"    step time  unbalanced pred {out['pred_unbalanced_s']:.2f} s / meas {out['meas_unbalanced_s']:.2f} s; "
         f"balanced pred {out['pred_balanced_s']:.2f} s / meas {out['meas_balanced_s']:.2f} s"
+    )
+    c, m, j = out["pred_balanced_parts_s"]
+    busy = out["meas_balanced_busy_s"]
+    print(
+        f"    balanced   pred compute {c:.2f} + comm {m:.2f} + sync wait {j:.2f} s; "
+        f"meas busy {busy:.2f} + rest {out['meas_balanced_s'] - busy:.2f} s "
+        f"(unbalanced busy mean {out['meas_unbalanced_busy_mean_s']:.2f} s)"
     )
     print(f"    speedup    predicted {pred:.3f}x, measured {meas:.3f}x  ->  error {out['rel_error']:+.1%}")
     return out
@@ -123,7 +137,7 @@ def cpu_validation(steps: int, warmup: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=3, help="sampled steps for (1)")
-    ap.add_argument("--cpu-steps", type=int, default=6)
+    ap.add_argument("--cpu-steps", type=int, default=10)
     ap.add_argument("--skip-cpu", action="store_true")
     ap.add_argument("--out", default="runs/bench/cluster_validation.json")
     args = ap.parse_args()

@@ -63,6 +63,26 @@ def test_ulysses_cost_by_hand():
     assert pred.route_s[0] > 0  # half the tokens moved to rank 1
 
 
+def test_sync_jitter_charged_to_multi_rank_bags_only():
+    # 4 ranks: a 2-rank bag holding a 20-token sequence and two 1-rank bags with 8 tokens each.
+    # Each bag member waits j * E[max of k]/E[max of 2] * its compute; 1-rank bags never sync.
+    hw = HW.with_overrides(sync_jitter=0.1)
+    problem = PlanProblem(seq_lens=[[20], [], [8], [8]], layout="g1n2+g2n1", model=WorkloadModel(d_model=2))
+    plan = build_plan(problem, np.array([2, 0, 1]), solver="hand")
+    pred = predict_step(plan, SHAPE, hw)
+    in_pair = list(plan.bags[2])
+    assert len(in_pair) == 2 and pred.compute_s[in_pair].min() > 0
+    np.testing.assert_allclose(pred.sync_s[in_pair], 0.1 * pred.compute_s[in_pair])
+    np.testing.assert_allclose(np.delete(pred.sync_s, in_pair), 0.0)
+    np.testing.assert_allclose(pred.rank_s, pred.compute_s + pred.route_s + pred.ulysses_s + pred.sync_s)
+    # a 4-rank bag scales by E[max of 4] / E[max of 2] (1.0294 / 0.5642)
+    problem4 = PlanProblem(seq_lens=[[20], [], [], []], layout="g4n1", model=WorkloadModel(d_model=2))
+    pred4 = predict_step(build_plan(problem4, np.array([0]), solver="hand"), SHAPE, hw)
+    np.testing.assert_allclose(pred4.sync_s, 0.1 * 1.0294 / 0.5642 * pred4.compute_s, rtol=1e-3)
+    with pytest.raises(ValueError, match="sync_jitter"):
+        HW.with_overrides(sync_jitter=1.5)
+
+
 def test_compute_from_flops_and_from_profile():
     lens = [[100], [10, 10]]
     p = predict_unbalanced(lens, SHAPE, HW)

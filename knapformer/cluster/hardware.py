@@ -11,6 +11,9 @@ Sources (vendor data sheets, as commonly quoted):
   (all-to-all of 1.2 MB took ~1.3 ms, 5 MB ~3.9 ms: ~1.3 GB/s and ~0.5 ms latency, measured);
   use it with a calibrated CPU profile (compute time comes from the profile). A one-thread
   index_select of 5 MB ran at ~7 GB/s (``copy_bw``); GPU presets assume ~2 TB/s of HBM.
+  Its ``sync_jitter`` 0.06 is the median of three runs of ``benchmarks/sync_jitter.py``
+  (4.3%, 6.1%, 15.1%: two pinned ranks doing identical attention + MLP segments lose that
+  share waiting at each synchronisation; the spread is this shared machine's noise).
 
 ``efficiency`` is the fraction of peak the model's kernels sustain (matmuls and attention
 together). It is an assumption, not a measurement: 0.5 is typical of well-tuned large bf16
@@ -41,6 +44,10 @@ class Hardware:
     inter_latency: float = 30e-6
     copy_bw: float = 2e12
     """Bytes/s of the local permutation copies around each exchange (device memory)."""
+    sync_jitter: float = 0.01
+    """Time lost waiting for the slower of two ranks doing identical work, as a fraction of
+    each synchronised compute segment (Ulysses synchronises a bag 4× per layer). Measured by
+    ``benchmarks/sync_jitter.py``; GPU presets assume 1% (steady kernel times)."""
 
     def __post_init__(self) -> None:
         for f in ("peak_flops", "efficiency", "intra_bw", "inter_bw"):
@@ -48,6 +55,8 @@ class Hardware:
                 raise ValueError(f"hardware {self.name!r}: {f} must be > 0, got {getattr(self, f)!r}")
         if self.efficiency > 1:
             raise ValueError(f"hardware {self.name!r}: efficiency must be <= 1, got {self.efficiency}")
+        if not 0 <= self.sync_jitter < 1:
+            raise ValueError(f"hardware {self.name!r}: sync_jitter must be in [0, 1), got {self.sync_jitter}")
         if self.gpus_per_node < 1:
             raise ValueError(f"hardware {self.name!r}: gpus_per_node must be >= 1")
 
@@ -78,6 +87,7 @@ HARDWARE: dict[str, Hardware] = {
         inter_bw=1.3e9,
         intra_latency=0.5e-3,
         inter_latency=0.5e-3,
+        sync_jitter=0.06,
     ),
 }
 

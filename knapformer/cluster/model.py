@@ -12,6 +12,9 @@
   a node / across nodes), a rank's traffic to both classes adding up, plus the executor's
   local copies (gather, pack, unpack, scatter: 4 passes over the whole payload) at the
   hardware's ``copy_bw``.
+- **Sync jitter**: ranks of a multi-rank bag meet 4× per layer; at every meeting all wait for
+  the slowest. With the hardware's ``sync_jitter`` j (measured for two ranks doing identical
+  work) a k-rank bag loses ``j · E[max of k] / E[max of 2] · compute`` (normal noise).
 - With a calibrated profile, the per-call cost ``d`` of every block call (profile meta
   ``per_call_seconds``) is paid by every rank in every layer, balanced or not.
 - Step time = max over ranks of compute + communication (nothing overlapped; the gradient
@@ -22,6 +25,7 @@ Pure numpy: no torch, no devices.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,7 +35,7 @@ from knapformer.plan import Plan
 from knapformer.plan.plan import DST, LEN, SRC, spread_over_bags
 from knapformer.workload import WorkloadModel, transformer_flops
 
-__all__ = ["ModelShape", "StepPrediction", "predict_step", "predict_unbalanced", "a2a_seconds"]
+__all__ = ["ModelShape", "StepPrediction", "predict_step", "predict_unbalanced", "a2a_seconds", "expected_max_normal"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,10 +80,13 @@ class StepPrediction:
     fixed_s: float = 0.0
     """Per-step time outside the blocks, the same for every rank and layout (optimizer,
     FSDP/DDP parameter and gradient traffic)."""
+    sync_s: np.ndarray | None = None
+    """(S,) seconds waiting for the slowest bag member at Ulysses exchanges (sync jitter)."""
 
     @property
     def rank_s(self) -> np.ndarray:
-        return self.compute_s + self.route_s + self.ulysses_s + self.fixed_s
+        sync = 0.0 if self.sync_s is None else self.sync_s
+        return self.compute_s + self.route_s + self.ulysses_s + sync + self.fixed_s
 
     @property
     def step_s(self) -> float:
@@ -110,7 +117,19 @@ class StepPrediction:
         }
 
 
-_COPIES = 4  # local passes over an exchange's payload: gather, pack, unpack, scatter
+_COPIES = 4  # route/reverse: local passes over the payload (gather, pack, unpack, scatter)
+_ULYSSES_COPIES = 2  # Ulysses pre/post: one packing copy and one row permutation per exchange
+
+
+def expected_max_normal(k: int) -> float:
+    """E[max of k independent standard normals] (0 for k = 1, 1/√π for k = 2)."""
+    if k <= 1:
+        return 0.0
+    x = np.linspace(-8.0, 8.0, 4001)
+    pdf = np.exp(-0.5 * x * x) / np.sqrt(2 * np.pi)
+    cdf = 0.5 * (1.0 + np.vectorize(math.erf)(x / math.sqrt(2.0)))
+    integrand = x * k * pdf * cdf ** (k - 1)
+    return float(np.sum(integrand) * (x[1] - x[0]))
 
 
 def a2a_seconds(sent: np.ndarray, recv: np.ndarray, bw: float, latency: float) -> np.ndarray:
@@ -170,6 +189,7 @@ def predict_step(
     route *= 4
     # -- Ulysses inside multi-rank bags: per layer, 3 units (q,k,v) then 1 unit (output)
     ulysses = np.zeros(S)
+    sync = np.zeros(S)
     for members in plan.bags:
         k = len(members)
         if k == 1:
@@ -181,11 +201,12 @@ def predict_step(
         sent = R * (k - 1) / k
         recv = (R.sum() - R) / k
         per_layer = a2a_seconds(3 * sent, 3 * recv, bw, lat) + a2a_seconds(sent, recv, bw, lat)
-        per_layer = per_layer + _COPIES * 4 * R / hw.copy_bw
+        per_layer = per_layer + _ULYSSES_COPIES * 4 * R / hw.copy_bw
         ulysses[m] = per_layer * shape.layers * (shape.passes - 1)  # forward, backward (x2 wire), recompute
+        sync[m] = hw.sync_jitter * expected_max_normal(k) / expected_max_normal(2) * compute[m]
     lens = np.asarray([v for r in plan.seq_lens for v in r], dtype=np.float64)
     flops = float(shape.passes * shape.layers * transformer_flops(lens, shape.dim, causal=shape.causal).sum())
-    return StepPrediction(compute, route, ulysses, flops, int(lens.sum()), fixed_s)
+    return StepPrediction(compute, route, ulysses, flops, int(lens.sum()), fixed_s, sync)
 
 
 def predict_unbalanced(

@@ -42,6 +42,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus-per-node", type=int, default=None, help="override: GPUs per node")
     p.add_argument("--intra-gbps", type=float, default=None, help="override: GB/s per GPU per direction in a node")
     p.add_argument("--inter-gbps", type=float, default=None, help="override: GB/s per GPU per direction between nodes")
+    p.add_argument("--sync-jitter", type=float, default=None, help="override: share of a synced segment lost to jitter")
     p.add_argument("--fixed-s", type=float, default=0.0, help="per-step seconds outside the blocks (optimizer, FSDP)")
     p.add_argument("--allow-cross-node", action="store_true", help="auto may use bags spanning nodes")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -75,6 +76,7 @@ def run_cli(args: argparse.Namespace) -> int:
         gpus_per_node=args.gpus_per_node,
         intra_bw=args.intra_gbps and args.intra_gbps * 1e9,
         inter_bw=args.inter_gbps and args.inter_gbps * 1e9,
+        sync_jitter=args.sync_jitter,
     )
     if args.gpus > hw.gpus_per_node and args.gpus % hw.gpus_per_node:
         raise ValueError(f"{args.gpus} GPUs is not a whole number of {hw.gpus_per_node}-GPU nodes")
