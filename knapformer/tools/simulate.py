@@ -296,6 +296,7 @@ def format_report(rep: dict) -> str:
         f"{'HFU':28s}{u['hfu']:14.2%}{b['hfu']:14.2%}",
         f"{'busy time max/mean':28s}{u['busy_max_over_mean']:14.3f}{b['busy_max_over_mean']:14.3f}",
         f"{'busy time per rank (s)':28s}{_fmt(u['busy_per_rank']):>14s}{_fmt(b['busy_per_rank']):>14s}",
+        f"{'fwd+bwd wall - busy (s)':28s}{_waits(u):>14s}{_waits(b):>14s}",
         f"{'predicted imbalance':28s}{b['predicted_imbalance_before']:14.3f}{b['predicted_imbalance_after']:14.3f}",
         f"{'planning (ms)':28s}{'':14s}{b['plan_ms']:14.2f}",
         f"speedup {rep['speedup']:.3f}x   ideal {rep['ideal_speedup']:.3f}x   "
@@ -303,6 +304,11 @@ def format_report(rep: dict) -> str:
         f"(max rel diff {rep['loss_max_rel_diff']:.1e})",
     ]
     return "\n".join(lines)
+
+
+def _waits(mode: dict) -> str:
+    """Per rank: forward+backward wall time not spent computing (collectives, waiting)."""
+    return _fmt([w - c for w, c in zip(mode["fwd_bwd_wall_per_rank"], mode["busy_per_rank"])])
 
 
 def _fmt(values: list[float]) -> str:
