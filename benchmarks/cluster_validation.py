@@ -137,7 +137,7 @@ def cpu_validation(steps: int, warmup: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=3, help="sampled steps for (1)")
-    ap.add_argument("--cpu-steps", type=int, default=10)
+    ap.add_argument("--cpu-steps", type=int, default=20)
     ap.add_argument("--skip-cpu", action="store_true")
     ap.add_argument("--out", default="runs/bench/cluster_validation.json")
     args = ap.parse_args()
