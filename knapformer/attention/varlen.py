@@ -36,11 +36,17 @@ def _bounds(cu_seqlens: torch.Tensor) -> list[int]:
 def sdpa_per_sequence(q, k, v, cu_seqlens, max_len, *, causal):
     """(N, h, D) -> (N, h, D): one SDPA per sequence."""
     cu = _bounds(cu_seqlens)
+    lens = [e - s for s, e in zip(cu[:-1], cu[1:])]
+    if sum(lens) != q.shape[0]:
+        raise ValueError(f"cu_seqlens covers {sum(lens)} tokens but q has {q.shape[0]}")
+    # torch.split, not per-sequence slicing: a slice's backward zero-fills a full-size gradient
+    # and adds it up once per sequence (O(sequences × tokens) memory traffic); split's backward
+    # is one concatenation.
     outs = []
-    for s, e in zip(cu[:-1], cu[1:]):
-        if e == s:
+    for qs, ks, vs in zip(*(torch.split(t, lens) for t in (q, k, v))) if lens else ():
+        if qs.shape[0] == 0:
             continue
-        qs, ks, vs = (t[s:e].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (qs, ks, vs))
         outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)[0].transpose(0, 1))
     if not outs:
         return q.new_zeros(q.shape) + 0 * (q.sum() + k.sum() + v.sum())  # keep the graph connected
