@@ -128,7 +128,15 @@ def _pin_to_core(local_rank: int, local_world: int) -> int | None:
     cores = sorted(os.sched_getaffinity(0))
     if local_world > len(cores):
         return None
-    os.sched_setaffinity(0, {cores[local_rank]})
+    core = {cores[local_rank]}
+    # every thread of the process (gloo's I/O threads exist already): collectives then run on
+    # the rank's own core, where the rank waits anyway, instead of preempting a neighbour
+    tids = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(int(tid), core)
+        except OSError:  # a thread that just exited
+            pass
     return cores[local_rank]
 
 
