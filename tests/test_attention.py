@@ -6,7 +6,7 @@ import torch
 from knapformer.attention import BACKENDS, available_backends, varlen_attention
 from knapformer.testing import reference_attention
 
-LENS = [1, 7, 33, 2, 64]
+LENS = [1, 7, 0, 33, 2, 64]  # an empty sequence too
 
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
@@ -25,9 +25,11 @@ def test_backend_matches_reference(name, causal):
     ref = reference_attention(q, k, v, LENS, causal=causal)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-10
     assert (out - ref).abs().max().item() < tol
-    gq = torch.autograd.grad(out.sum(), q)[0]
-    gq_ref = torch.autograd.grad(ref.sum(), q)[0]
-    assert (gq - gq_ref).abs().max().item() < tol * 10
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64).to(device, dtype)
+    grads = torch.autograd.grad((out * w).sum(), (q, k, v))
+    grads_ref = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    for got, want in zip(grads, grads_ref):
+        assert (got - want).abs().max().item() < tol * 10
 
 
 def test_empty_input_keeps_the_graph():
@@ -41,3 +43,9 @@ def test_unknown_backend():
     q = torch.zeros(1, 1, 2)
     with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
         varlen_attention(q, q, q, torch.tensor([0, 1]), 1, backend="nope")
+
+
+def test_cu_seqlens_must_cover_every_token():
+    q = torch.zeros(5, 1, 2)
+    with pytest.raises(ValueError, match="covers 4 tokens but q has 5"):
+        varlen_attention(q, q, q, torch.tensor([0, 1, 4]), 3, backend="sdpa")
