@@ -16,7 +16,9 @@ post_attn          (A, h/k, D)                  (R, h, D)                    pre
 
 Several tensors routed together share one collective per dtype: they are flattened to
 (T, f_i), concatenated along features, exchanged, and split — no dtype is promoted (bf16
-stays bf16, int64 never passes through a float), bool travels as uint8.
+stays bf16, int64 never passes through a float), bool travels as uint8. Row permutations
+(route's send order, Ulysses's attention order) are applied once to the packed buffer by
+:func:`permute_rows`, whose backward is a gather too.
 """
 
 from __future__ import annotations
