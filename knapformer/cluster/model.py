@@ -25,6 +25,7 @@ Pure numpy: no torch, no devices.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -121,6 +122,7 @@ _COPIES = 4  # route/reverse: local passes over the payload (gather, pack, unpac
 _ULYSSES_COPIES = 2  # Ulysses pre/post: one packing copy and one row permutation per exchange
 
 
+@functools.cache
 def expected_max_normal(k: int) -> float:
     """E[max of k independent standard normals] (0 for k = 1, 1/√π for k = 2)."""
     if k <= 1:
@@ -203,7 +205,7 @@ def predict_step(
         per_layer = a2a_seconds(3 * sent, 3 * recv, bw, lat) + a2a_seconds(sent, recv, bw, lat)
         per_layer = per_layer + _ULYSSES_COPIES * 4 * R / hw.copy_bw
         ulysses[m] = per_layer * shape.layers * (shape.passes - 1)  # forward, backward (x2 wire), recompute
-        sync[m] = hw.sync_jitter * expected_max_normal(k) / expected_max_normal(2) * compute[m]
+        sync[m] = hw.sync_jitter * expected_max_normal(k) / expected_max_normal(2) * compute[m]  # cached per k
     lens = np.asarray([v for r in plan.seq_lens for v in r], dtype=np.float64)
     flops = float(shape.passes * shape.layers * transformer_flops(lens, shape.dim, causal=shape.causal).sum())
     return StepPrediction(compute, route, ulysses, flops, int(lens.sum()), fixed_s, sync)
