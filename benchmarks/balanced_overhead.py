@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -33,7 +32,7 @@ import torch.distributed as dist
 from knapformer.data.batches import make_batch
 from knapformer.dist import ops
 from knapformer.models import LocalExecutor, build_model, preset
-from knapformer.testing import run_distributed
+from knapformer.testing import pin_to_core, run_distributed
 from knapformer.tools.sim_config import DEMO_MIX
 from knapformer.workload import WorkloadModel
 
@@ -44,8 +43,7 @@ def _worker(rank: int, world: int, reps: int, top: int) -> dict:
     from knapformer.dist import SequenceBalancer
 
     torch.set_num_threads(1)
-    if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank % len(os.sched_getaffinity(0))]})
+    pin_to_core(rank, world)
     serial = {"on": False}
     exchange = ops._exchange
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -24,13 +23,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from knapformer.testing import run_distributed
+from knapformer.testing import pin_to_core, run_distributed
 
 
 def _worker(rank: int, world: int, iters: int, seq_len: int) -> dict:
     torch.set_num_threads(1)
-    if hasattr(os, "sched_setaffinity") and world <= len(os.sched_getaffinity(0)):
-        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank]})
+    pin_to_core(rank, world)
     g = torch.Generator().manual_seed(0)  # identical work and data on every rank
     q = torch.randn(1, 2, seq_len, 32, generator=g, requires_grad=True)
     x = torch.randn(seq_len, 128, generator=g)

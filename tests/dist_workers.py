@@ -210,3 +210,14 @@ def check_arbitrary_groups(rank: int, world: int, seed: int) -> dict:
         _close(o, ref, f"attention with bags {plan.bags}", 1e-10)
         out[step] = plan.bags
     return out
+
+
+def check_pinning(rank: int, world: int) -> dict:
+    """pin_to_core: every thread of the rank ends on one core, a different one per rank."""
+    import os
+
+    from knapformer.testing import pin_to_core
+
+    core = pin_to_core(rank, world)
+    threads = {tid: os.sched_getaffinity(int(tid)) for tid in os.listdir("/proc/self/task")}
+    return {"core": core, "threads": [sorted(a) for a in threads.values()]}

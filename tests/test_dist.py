@@ -55,3 +55,17 @@ def test_permute_rows_forward_and_gradient():
     assert torch.equal(permute_rows(x, index, inverse), x[index])
     assert torch.equal(ours, x.grad)
     assert torch.autograd.gradcheck(lambda t: permute_rows(t, index, inverse), (x,))
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_setaffinity"), reason="no CPU affinity on this platform")
+def test_pin_to_core_pins_every_thread_of_each_rank():
+    import os
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 cores")
+    out = run_distributed(W.check_pinning, 2, timeout=60)
+    cores = [o["core"] for o in out]
+    assert len(set(cores)) == 2
+    for o in out:
+        assert len(o["threads"]) > 1  # gloo's threads exist and were pinned too
+        assert all(t == [o["core"]] for t in o["threads"])

@@ -120,35 +120,16 @@ def _sync_grads(model: torch.nn.Module, world: int) -> None:
         g.copy_(s)
 
 
-def _pin_to_core(local_rank: int, local_world: int) -> int | None:
-    """Pin this process to one core of its allowed set (one rank per core); None if the
-    platform cannot, or there are fewer cores than local ranks."""
-    if not hasattr(os, "sched_setaffinity"):
-        return None
-    cores = sorted(os.sched_getaffinity(0))
-    if local_world > len(cores):
-        return None
-    core = {cores[local_rank]}
-    # every thread of the process (gloo's I/O threads exist already): collectives then run on
-    # the rank's own core, where the rank waits anyway, instead of preempting a neighbour
-    tids = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]
-    for tid in tids:
-        try:
-            os.sched_setaffinity(int(tid), core)
-        except OSError:  # a thread that just exited
-            pass
-    return cores[local_rank]
-
-
 def _worker(rank: int, world: int, cfg: SimConfig) -> dict:
     from knapformer.dist import SequenceBalancer
+    from knapformer.testing import pin_to_core
     from knapformer.tools.parallelize import apply_checkpointing
 
     if cfg.device == "cpu":
         torch.set_num_threads(1)
         if cfg.pin_cpus:
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-            _pin_to_core(int(os.environ.get("LOCAL_RANK", rank)), local_world)
+            pin_to_core(int(os.environ.get("LOCAL_RANK", rank)), local_world)
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
     dtype = getattr(torch, cfg.dtype)
     mcfg = preset(cfg.model)
