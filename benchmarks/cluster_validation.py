@@ -101,7 +101,8 @@ def cpu_validation(steps: int, warmup: int) -> dict:
         plan = plan_sequences(lens, "g2n1", profile)
         bp = predict_step(plan, shape, hw, profile=profile)
         b_pred.append(bp.step_s)
-        b_parts.append([bp.compute_s.max(), (bp.route_s + bp.ulysses_s).max(), bp.sync_s.max()])
+        r = int(bp.rank_s.argmax())  # the rank that sets the step time
+        b_parts.append([bp.compute_s[r], bp.route_s[r] + bp.ulysses_s[r], bp.sync_s[r]])
     pred = sum(u_pred) / sum(b_pred)
     meas = rep["speedup"]
     out = {

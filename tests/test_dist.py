@@ -1,5 +1,7 @@
 """Multi-rank tests on real gloo processes (CPU): exactness and robustness of the balancer."""
 
+import os
+
 import pytest
 
 from knapformer.testing import run_distributed
@@ -57,12 +59,10 @@ def test_permute_rows_forward_and_gradient():
     assert torch.autograd.gradcheck(lambda t: permute_rows(t, index, inverse), (x,))
 
 
-@pytest.mark.skipif(not hasattr(__import__("os"), "sched_setaffinity"), reason="no CPU affinity on this platform")
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs CPU affinity and 2 cores"
+)
 def test_pin_to_core_pins_every_thread_of_each_rank():
-    import os
-
-    if len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("needs 2 cores")
     out = run_distributed(W.check_pinning, 2, timeout=60)
     cores = [o["core"] for o in out]
     assert len(set(cores)) == 2

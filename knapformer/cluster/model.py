@@ -10,8 +10,8 @@
   attention and of the output (1 unit) after, in forward and again in backward (and recompute).
 - An all-to-all costs ``latency + max(sent, received) / bandwidth`` per link class (inside
   a node / across nodes), a rank's traffic to both classes adding up, plus the executor's
-  local copies (gather, pack, unpack, scatter: 4 passes over the whole payload) at the
-  hardware's ``copy_bw``.
+  local copies at the hardware's ``copy_bw`` (route/reverse: gather, pack, unpack, scatter =
+  4 passes over the payload; Ulysses: one packing copy and one row permutation = 2).
 - **Sync jitter**: ranks of a multi-rank bag meet 4× per layer; at every meeting all wait for
   the slowest. With the hardware's ``sync_jitter`` j (measured for two ranks doing identical
   work) a k-rank bag loses ``j · E[max of k] / E[max of 2] · compute`` (normal noise).
@@ -75,19 +75,18 @@ class StepPrediction:
     """(S,) routing seconds per rank (4 all-to-alls)."""
     ulysses_s: np.ndarray
     """(S,) Ulysses seconds per rank (all layers, all passes)."""
+    sync_s: np.ndarray
+    """(S,) seconds waiting for the slowest bag member at Ulysses exchanges (sync jitter)."""
     flops: float
     """Hardware FLOPs of the step, all ranks."""
     tokens: int
     fixed_s: float = 0.0
     """Per-step time outside the blocks, the same for every rank and layout (optimizer,
     FSDP/DDP parameter and gradient traffic)."""
-    sync_s: np.ndarray | None = None
-    """(S,) seconds waiting for the slowest bag member at Ulysses exchanges (sync jitter)."""
 
     @property
     def rank_s(self) -> np.ndarray:
-        sync = 0.0 if self.sync_s is None else self.sync_s
-        return self.compute_s + self.route_s + self.ulysses_s + sync + self.fixed_s
+        return self.compute_s + self.route_s + self.ulysses_s + self.sync_s + self.fixed_s
 
     @property
     def step_s(self) -> float:
@@ -208,7 +207,7 @@ def predict_step(
         sync[m] = hw.sync_jitter * expected_max_normal(k) / expected_max_normal(2) * compute[m]  # cached per k
     lens = np.asarray([v for r in plan.seq_lens for v in r], dtype=np.float64)
     flops = float(shape.passes * shape.layers * transformer_flops(lens, shape.dim, causal=shape.causal).sum())
-    return StepPrediction(compute, route, ulysses, flops, int(lens.sum()), fixed_s, sync)
+    return StepPrediction(compute, route, ulysses, sync, flops, int(lens.sum()), fixed_s)
 
 
 def predict_unbalanced(
@@ -222,4 +221,4 @@ def predict_unbalanced(
     compute = _compute_seconds(tokens, quad, count, shape, hw, profile)
     lens = np.asarray([v for r in seq_lens for v in r], dtype=np.float64)
     flops = float(shape.passes * shape.layers * transformer_flops(lens, shape.dim, causal=shape.causal).sum())
-    return StepPrediction(compute, np.zeros(S), np.zeros(S), flops, int(lens.sum()), fixed_s)
+    return StepPrediction(compute, np.zeros(S), np.zeros(S), np.zeros(S), flops, int(lens.sum()), fixed_s)
