@@ -32,7 +32,7 @@ import torch.distributed as dist
 from knapformer.data.batches import make_batch
 from knapformer.dist import ops
 from knapformer.models import LocalExecutor, build_model, preset
-from knapformer.testing import pin_to_core, run_distributed
+from knapformer.testing import keep_freed_memory, pin_to_core, run_distributed
 from knapformer.tools.sim_config import DEMO_MIX
 from knapformer.workload import WorkloadModel
 
@@ -44,6 +44,7 @@ def _worker(rank: int, world: int, reps: int, top: int) -> dict:
 
     torch.set_num_threads(1)
     pin_to_core(rank, world)
+    keep_freed_memory()
     serial = {"on": False}
     exchange = ops._exchange
 

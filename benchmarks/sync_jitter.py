@@ -23,12 +23,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from knapformer.testing import pin_to_core, run_distributed
+from knapformer.testing import keep_freed_memory, pin_to_core, run_distributed
 
 
 def _worker(rank: int, world: int, iters: int, seq_len: int) -> dict:
     torch.set_num_threads(1)
     pin_to_core(rank, world)
+    keep_freed_memory()
     g = torch.Generator().manual_seed(0)  # identical work and data on every rank
     q = torch.randn(1, 2, seq_len, 32, generator=g, requires_grad=True)
     x = torch.randn(seq_len, 128, generator=g)

@@ -3,7 +3,7 @@
 Main API: :func:`run_distributed`, :func:`reference_attention`.
 """
 
-from knapformer.testing.dist import free_port, pin_to_core, run_distributed
+from knapformer.testing.dist import free_port, keep_freed_memory, pin_to_core, run_distributed
 from knapformer.testing.reference import reference_attention
 
-__all__ = ["free_port", "pin_to_core", "reference_attention", "run_distributed"]
+__all__ = ["free_port", "keep_freed_memory", "pin_to_core", "reference_attention", "run_distributed"]

@@ -48,6 +48,9 @@ class SimConfig:
     pin_cpus: bool = True
     """On CPU, pin each rank to its own core when there are enough cores: fewer migrations
     and less cache thrash when ranks (and gloo's I/O threads) compete for cores."""
+    keep_memory: bool = True
+    """On CPU, keep freed buffers mapped (glibc ``mallopt``) instead of page-faulting them in
+    again each step; both runs get it (see ``knapformer.testing.keep_freed_memory``)."""
 
     def __post_init__(self) -> None:
         if self.ranks < 1:
@@ -84,6 +87,9 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])
     p.add_argument("--no-progress", action="store_true", help="no progress line")
     p.add_argument("--no-pin", action="store_true", help="do not pin CPU ranks to cores")
+    p.add_argument(
+        "--no-keep-memory", action="store_true", help="let glibc return freed buffers to the OS (page faults each step)"
+    )
     p.add_argument("--report", default=None, help="write the JSON report here")
     p.add_argument("--plot-dir", default=None, help="write PNG charts here")
     return p
@@ -107,4 +113,5 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         dtype=args.dtype,
         progress=not args.no_progress,
         pin_cpus=not args.no_pin,
+        keep_memory=not args.no_keep_memory,
     )

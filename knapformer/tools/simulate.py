@@ -122,11 +122,13 @@ def _sync_grads(model: torch.nn.Module, world: int) -> None:
 
 def _worker(rank: int, world: int, cfg: SimConfig) -> dict:
     from knapformer.dist import SequenceBalancer
-    from knapformer.testing import pin_to_core
+    from knapformer.testing import keep_freed_memory, pin_to_core
     from knapformer.tools.parallelize import apply_checkpointing
 
     if cfg.device == "cpu":
         torch.set_num_threads(1)
+        if cfg.keep_memory:
+            keep_freed_memory()
         if cfg.pin_cpus:
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
             pin_to_core(int(os.environ.get("LOCAL_RANK", rank)), local_world)
