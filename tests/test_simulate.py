@@ -45,6 +45,16 @@ def test_summary_arithmetic():
     assert u["hfu"] == pytest.approx(4e9 / (6 * 2e10))
     assert rep["loss_match"] and rep["loss_max_rel_diff"] == 0
     assert "speedup 1.200x" in format_report(rep)
+    assert rep["speedup_over_ideal_per_step"] == pytest.approx([(3 / 2.5) / 1.5] * 2)
+    assert "step by step: 80.0% .. 80.0% of ideal (median 80.0%)" in format_report(rep)
+
+
+def test_per_step_ratio_to_ideal():
+    # step 0: speedup 3/2 over ideal 3/2; step 1: speedup 2/1 over ideal 2/2
+    records = _records({"unbalanced": [[1, 3], [2, 2]], "balanced": [[2, 2], [1, 1]]})
+    rep = summarize(SimConfig(steps=2, warmup=0), records)
+    assert rep["speedup_over_ideal_per_step"] == pytest.approx([1.0, 2.0])
+    assert "step by step: 100.0% .. 200.0% of ideal (median 150.0%)" in format_report(rep)
 
 
 @pytest.mark.parametrize(

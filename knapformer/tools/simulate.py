@@ -240,10 +240,11 @@ def summarize(cfg: SimConfig, per_rank: list[dict]) -> dict:
     report: dict = {"config": asdict(cfg), "world": world, "modes": {}}
     steps = sorted({r["step"] for r in per_rank[0]["records"] if measured(r)})
     peak = sum(p["peak"] for p in per_rank)
+    busy_by_mode: dict[str, list[list[float]]] = {}
     for mode in ("unbalanced", "balanced"):
         rows = {(p["rank"], r["step"]): r for p in per_rank for r in p["records"] if r["mode"] == mode and measured(r)}
         wall = [max(rows[(k, s)]["wall"] for k in range(world)) for s in steps]
-        busy = [[rows[(k, s)]["busy"] for k in range(world)] for s in steps]
+        busy = busy_by_mode[mode] = [[rows[(k, s)]["busy"] for k in range(world)] for s in steps]
         tokens = [sum(rows[(k, s)]["tokens"] for k in range(world)) for s in steps]
         flops = [sum(rows[(k, s)]["flops"] for k in range(world)) for s in steps]
         m = {
@@ -267,6 +268,11 @@ def summarize(cfg: SimConfig, per_rank: list[dict]) -> dict:
     report["speedup"] = u["step_time"] / b["step_time"]
     report["ideal_speedup"] = u["busy_max_over_mean"]
     report["speedup_over_ideal"] = report["speedup"] / report["ideal_speedup"]
+    # the same ratio step by step: on a noisy machine its spread says how much one run can tell
+    report["speedup_over_ideal_per_step"] = [
+        (uw / bw) / (max(ub) / statistics.mean(ub))
+        for uw, bw, ub in zip(u["step_times"], b["step_times"], busy_by_mode["unbalanced"])
+    ]
     diffs = [abs(x - y) / max(abs(x), 1e-12) for x, y in zip(u["loss"], b["loss"])]
     report["loss_max_rel_diff"] = max(diffs)
     report["loss_match"] = report["loss_max_rel_diff"] < 1e-4
@@ -294,6 +300,12 @@ def format_report(rep: dict) -> str:
         f"({rep['speedup_over_ideal']:.1%} of ideal)   loss match: {rep['loss_match']} "
         f"(max rel diff {rep['loss_max_rel_diff']:.1e})",
     ]
+    per_step = rep["speedup_over_ideal_per_step"]
+    if len(per_step) > 1:
+        lines.append(
+            f"step by step: {min(per_step):.1%} .. {max(per_step):.1%} of ideal "
+            f"(median {statistics.median(per_step):.1%})"
+        )
     return "\n".join(lines)
 
 
