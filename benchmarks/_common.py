@@ -25,3 +25,50 @@ def write_json(path: str | Path, rows: list[dict], **meta) -> None:
     doc = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), **meta, "rows": rows}
     Path(path).write_text(json.dumps(doc, indent=1) + "\n")
     print(f"\nwrote {path}")
+
+
+def demo_rank(rank: int, world: int):
+    """One CPU rank of the demo (the simulator's defaults): one pinned thread, freed memory
+    kept, the same model weights on every rank, and a balancer with one bag of all ranks.
+    Returns ``(model, balancer, model_config, sim_config)``; call after init_process_group."""
+    import torch
+
+    from knapformer.dist import SequenceBalancer
+    from knapformer.models import build_model, preset
+    from knapformer.testing import keep_freed_memory, pin_to_core
+    from knapformer.tools.sim_config import SimConfig
+    from knapformer.workload import WorkloadModel
+
+    torch.set_num_threads(1)
+    pin_to_core(rank, world)
+    keep_freed_memory()
+    cfg = SimConfig()
+    mcfg = preset(cfg.model)
+    torch.manual_seed(cfg.seed)
+    model = build_model(mcfg)
+    bal = SequenceBalancer(f"g{world}n1", WorkloadModel(d_model=mcfg.dim, gamma=cfg.gamma, num_layers=mcfg.num_layers))
+    return model, bal, mcfg, cfg
+
+
+def demo_batch(rank: int, world: int, step: int, mcfg, cfg):
+    """This rank's demo batch of ``step`` (fp32)."""
+    import torch
+
+    from knapformer.data.batches import make_batch
+
+    return make_batch(cfg.mix, rank=rank, num_ranks=world, step=step, seed=cfg.seed, scale=cfg.scale,
+                      in_dim=mcfg.in_dim, vec_dim=mcfg.vec_dim, out_dim=mcfg.out_dim, dtype=torch.float32)
+
+
+def demo_loss(model, batch, bal, mode: str):
+    """Forward + loss of one demo batch: ``unbalanced`` runs locally, any other mode plans the
+    batch and runs through the balancer."""
+    from knapformer.models import LocalExecutor
+
+    if mode == "unbalanced":
+        ex = LocalExecutor(batch.seq_lens)
+    else:
+        bal.plan(batch.seq_lens)
+        ex = bal
+    out = model(batch.x, batch.seq_lens, batch.txt_lens, batch.t, batch.vec, executor=ex)
+    return ((out - batch.target) ** 2).mean()

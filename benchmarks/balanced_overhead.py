@@ -26,25 +26,19 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
-from knapformer.data.batches import make_batch
-from knapformer.dist import ops
-from knapformer.models import LocalExecutor, build_model, preset
-from knapformer.testing import keep_freed_memory, pin_to_core, run_distributed
-from knapformer.tools.sim_config import DEMO_MIX
-from knapformer.workload import WorkloadModel
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import demo_batch, demo_loss, demo_rank  # noqa: E402
+
+from knapformer.dist import ops  # noqa: E402
+from knapformer.testing import run_distributed  # noqa: E402
 
 MODES = ("unbalanced", "balanced", "balanced, serialised")
 
 
 def _worker(rank: int, world: int, reps: int, top: int) -> dict:
-    from knapformer.dist import SequenceBalancer
-
-    torch.set_num_threads(1)
-    pin_to_core(rank, world)
-    keep_freed_memory()
+    model, bal, mcfg, cfg = demo_rank(rank, world)
     serial = {"on": False}
     exchange = ops._exchange
 
@@ -61,24 +55,13 @@ def _worker(rank: int, world: int, reps: int, top: int) -> dict:
         return out
 
     ops._exchange = handshake_exchange
-    mcfg = preset("mmdit-small")
-    torch.manual_seed(0)
-    model = build_model(mcfg)
-    bal = SequenceBalancer("g2n1", WorkloadModel(d_model=mcfg.dim, num_layers=mcfg.num_layers))
-    b = make_batch(DEMO_MIX, rank=rank, num_ranks=world, step=1, seed=0, scale=2, in_dim=mcfg.in_dim,
-                   vec_dim=mcfg.vec_dim, out_dim=mcfg.out_dim, dtype=torch.float32)
+    b = demo_batch(rank, world, 1, mcfg, cfg)
     busy: dict[str, list[float]] = {m: [] for m in MODES}
     ops_ms: dict[str, dict[str, float]] = {m: {} for m in MODES}
     for i in range(reps + 1):  # the first round warms up
         for mode in MODES:
             dist.barrier()
-            if mode == "unbalanced":
-                ex = LocalExecutor(b.seq_lens)
-            else:
-                bal.plan(b.seq_lens)
-                ex = bal
-            out = model(b.x, b.seq_lens, b.txt_lens, b.t, b.vec, executor=ex)
-            loss = ((out - b.target) ** 2).mean()
+            loss = demo_loss(model, b, bal, mode)
             serial["on"] = mode == "balanced, serialised"
             if serial["on"] and rank == 1:
                 dist.barrier()  # wait for rank 0's first segment

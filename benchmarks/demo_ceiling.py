@@ -29,28 +29,19 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import print_table, write_json  # noqa: E402
+from _common import demo_batch, demo_loss, demo_rank, print_table, write_json  # noqa: E402
 
-from knapformer.data.batches import make_batch  # noqa: E402
 from knapformer.dist import ops  # noqa: E402
-from knapformer.models import LocalExecutor, build_model, preset  # noqa: E402
-from knapformer.testing import keep_freed_memory, pin_to_core, run_distributed  # noqa: E402
-from knapformer.tools.sim_config import DEMO_MIX, SimConfig  # noqa: E402
-from knapformer.workload import WorkloadModel  # noqa: E402
+from knapformer.testing import run_distributed  # noqa: E402
 
 MODES = ("unbalanced", "balanced", "no transfer", "no transfer, no sync")
 
 
 def _worker(rank: int, world: int, reps: int) -> dict:
-    from knapformer.dist import SequenceBalancer
-
-    torch.set_num_threads(1)
-    pin_to_core(rank, world)
-    keep_freed_memory()
+    model, bal, mcfg, cfg = demo_rank(rank, world)
     real_exchange = ops._exchange
     mode_now = {"m": "balanced"}
 
@@ -62,27 +53,15 @@ def _worker(rank: int, world: int, reps: int) -> dict:
         return x.new_zeros((sum(recv), *x.shape[1:]))
 
     ops._exchange = exchange
-    cfg = SimConfig()
-    mcfg = preset(cfg.model)
-    torch.manual_seed(cfg.seed)
-    model = build_model(mcfg)
-    bal = SequenceBalancer(f"g{world}n1", WorkloadModel(d_model=mcfg.dim, gamma=cfg.gamma, num_layers=mcfg.num_layers))
     rows: dict[str, list[tuple[float, float, float]]] = {m: [] for m in MODES}
     for rep in range(reps + 1):  # rep 0 warms up
-        b = make_batch(DEMO_MIX, rank=rank, num_ranks=world, step=rep, seed=cfg.seed, scale=cfg.scale,
-                       in_dim=mcfg.in_dim, vec_dim=mcfg.vec_dim, out_dim=mcfg.out_dim, dtype=torch.float32)
+        b = demo_batch(rank, world, rep, mcfg, cfg)
         for mode in MODES:
             mode_now["m"] = mode
             dist.barrier()
             start = time.perf_counter()
             busy0 = time.thread_time()
-            if mode == "unbalanced":
-                ex = LocalExecutor(b.seq_lens)
-            else:
-                bal.plan(b.seq_lens)
-                ex = bal
-            out = model(b.x, b.seq_lens, b.txt_lens, b.t, b.vec, executor=ex)
-            ((out - b.target) ** 2).mean().backward()
+            demo_loss(model, b, bal, mode).backward()
             busy = time.thread_time() - busy0
             end = time.perf_counter()
             model.zero_grad(set_to_none=True)
