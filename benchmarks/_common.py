@@ -33,7 +33,7 @@ def demo_rank(rank: int, world: int):
     Returns ``(model, balancer, model_config, sim_config)``; call after init_process_group."""
     import torch
 
-    from knapformer.dist import SequenceBalancer
+    from knapformer.distributed import SequenceBalancer
     from knapformer.models import build_model, preset
     from knapformer.testing import keep_freed_memory, pin_to_core
     from knapformer.tools.sim_config import SimConfig

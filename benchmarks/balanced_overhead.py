@@ -31,7 +31,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import demo_batch, demo_loss, demo_rank  # noqa: E402
 
-from knapformer.dist import ops  # noqa: E402
+from knapformer.distributed import ops  # noqa: E402
 from knapformer.testing import run_distributed  # noqa: E402
 
 MODES = ("unbalanced", "balanced", "balanced, serialised")

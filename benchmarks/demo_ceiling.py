@@ -34,7 +34,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import demo_batch, demo_loss, demo_rank, print_table, write_json  # noqa: E402
 
-from knapformer.dist import ops  # noqa: E402
+from knapformer.distributed import ops  # noqa: E402
 from knapformer.testing import run_distributed  # noqa: E402
 
 MODES = ("unbalanced", "balanced", "no transfer", "no transfer, no sync")

@@ -27,7 +27,7 @@ from _common import print_table, write_json  # noqa: E402
 
 from knapformer import SequenceBalancer, WorkloadModel  # noqa: E402
 from knapformer.data import sample_seq_lens  # noqa: E402
-from knapformer.dist import ops  # noqa: E402
+from knapformer.distributed import ops  # noqa: E402
 from knapformer.testing import run_distributed  # noqa: E402
 
 HEADS, HEAD_DIM = 8, 32

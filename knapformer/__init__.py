@@ -30,7 +30,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> Any:
     # torch is only needed for execution; keep `import knapformer` light.
     if name == "SequenceBalancer":
-        from knapformer.dist.balancer import SequenceBalancer
+        from knapformer.distributed.balancer import SequenceBalancer
 
         return SequenceBalancer
     raise AttributeError(f"module 'knapformer' has no attribute {name!r}")

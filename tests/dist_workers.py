@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from knapformer import SequenceBalancer, WorkloadModel
-from knapformer.dist import BalancerInputError
+from knapformer.distributed import BalancerInputError
 from knapformer.testing import reference_attention
 
 HEADS, HEAD_DIM, FEAT = 4, 8, 16

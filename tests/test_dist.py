@@ -43,7 +43,7 @@ def test_permute_rows_forward_and_gradient():
     autograd's index_select gradient (a wrong inverse would scramble rows)."""
     import torch
 
-    from knapformer.dist.ops import permute_rows
+    from knapformer.distributed.ops import permute_rows
 
     g = torch.Generator().manual_seed(0)
     index = torch.randperm(7, generator=g)

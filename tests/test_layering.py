@@ -30,7 +30,7 @@ def test_pure_layers_do_not_import_torch():
 
 def test_models_and_attention_do_not_use_torch_distributed():
     """Models are single-device user code; attention backends are local; planning and the
-    cluster model are numpy. Only dist/, tools/, integrations/ and testing/ import
+    cluster model are numpy. Only distributed/, tools/, integrations/ and testing/ import
     torch.distributed."""
     import re
     from pathlib import Path

@@ -1,6 +1,6 @@
 """The handle a model calls for token movement and attention.
 
-``SequenceBalancer`` (``knapformer.dist``) implements it over torch.distributed; the
+``SequenceBalancer`` (``knapformer.distributed``) implements it over torch.distributed; the
 :class:`LocalExecutor` here implements it for one process with no balancing, so the same
 model code runs both ways and the models never import torch.distributed.
 """

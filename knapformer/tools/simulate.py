@@ -121,7 +121,7 @@ def _sync_grads(model: torch.nn.Module, world: int) -> None:
 
 
 def _worker(rank: int, world: int, cfg: SimConfig) -> dict:
-    from knapformer.dist import SequenceBalancer
+    from knapformer.distributed import SequenceBalancer
     from knapformer.testing import keep_freed_memory, pin_to_core
     from knapformer.tools.parallelize import apply_checkpointing
 

@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from knapformer.attention import varlen_attention
-from knapformer.dist import ops
-from knapformer.dist.spec import RouteSpec, build_route_spec
+from knapformer.distributed import ops
+from knapformer.distributed.spec import RouteSpec, build_route_spec
 from knapformer.layout import BagLayout, parse_layout
 from knapformer.plan import DEFAULT_SOLVER, Plan, plan_sequences
 from knapformer.plan.problem import validate_seq_lens

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from knapformer.dist.spec import RouteSpec
+from knapformer.distributed.spec import RouteSpec
 
 __all__ = [
     "all_to_all", "permute_rows", "route", "reverse_route", "pre_attn", "post_attn", "check_heads", "gather_sequences",
