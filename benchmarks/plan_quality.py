@@ -31,7 +31,7 @@ LAYOUTS = [("g1n32", 32), ("g2n16", 32), ("g4n8", 32), ("g8n4", 32), ("g1n16+g2n
 def exact_makespan(lens, layout, model, seconds):
     try:
         return plan_sequences(lens, layout, model, solver="exact", time_budget_s=seconds).makespan
-    except RuntimeError:
+    except TimeoutError:
         return None
 
 
@@ -46,7 +46,7 @@ def subset_bound(lens, layout, model, m, seconds):
     sub = [[v for i, v in enumerate(row) if (r, i) in keep] for r, row in enumerate(lens)]
     try:
         plan = plan_sequences(sub, layout, model, solver="exact", time_budget_s=seconds)
-    except RuntimeError:
+    except TimeoutError:
         return None
     p = PlanProblem(seq_lens=sub, layout=layout, model=model)
     load = np.bincount(plan.seq_bag, weights=p.work, minlength=len(p.bags))

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from diffusers import FluxTransformer2DModel
 
 from knapformer import SequenceBalancer, WorkloadModel
-from knapformer.integrations.diffusers import FluxSample, packed_flux_forward
+from knapformer.integrations.diffusers import FluxSample, flux_seq_lens, packed_flux_forward
 
 dist.init_process_group("gloo")  # torchrun --nproc-per-node 2 train.py
 model = FluxTransformer2DModel(
@@ -38,7 +38,8 @@ def sample(h, w, txt):  # one image of h*w latent tokens + txt text tokens
 
 
 samples = [sample(8, 8, 10), sample(4, 6, 3)] if dist.get_rank() == 0 else [sample(32, 32, 20)]
-out = packed_flux_forward(model, samples, balancer=bal)  # per-sample (T_img, C), original order
+bal.plan(flux_seq_lens(samples))  # once per step: text + image tokens of each sample
+out = packed_flux_forward(model, samples, bal)  # per-sample (T_img, C), original order
 targets = torch.cat([torch.randn_like(o) for o in out]) if out else out.flat
 loss = ((out.flat - targets) ** 2).mean()
 loss.backward()  # every rank, also one without samples (out.flat)

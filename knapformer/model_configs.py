@@ -1,4 +1,6 @@
-"""Model shapes and named presets (torch-free: the cluster model and the CLI read them).
+"""Shapes and named presets of the reference models (torch-free: the cluster model and the
+CLI read them). Presets of integrated third-party models (diffusers) live with their
+integration; ``knapformer.tools.presets`` knows both.
 
 Main API: :class:`MMDiTConfig`, :class:`TransformerConfig`, :data:`PRESETS`, :func:`preset`.
 """
@@ -7,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DiffusersFluxConfig", "MMDiTConfig", "TransformerConfig", "PRESETS", "preset"]
+__all__ = ["MMDiTConfig", "TransformerConfig", "PRESETS", "preset"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,47 +62,18 @@ class MMDiTConfig:
         return self.num_double + self.num_single
 
 
-@dataclass(frozen=True, kw_only=True)
-class DiffusersFluxConfig:
-    """A randomly initialised diffusers ``FluxTransformer2DModel`` (no download)."""
-
-    num_heads: int = 4
-    head_dim: int = 32
-    num_double: int = 2
-    num_single: int = 2
-    in_dim: int = 16
-    """Latent channels (``in_channels``)."""
-    text_dim: int = 32
-    """``joint_attention_dim``."""
-    vec_dim: int = 32
-    """``pooled_projection_dim``."""
-    axes_dims_rope: tuple[int, int, int] = (8, 12, 12)
-
-    @property
-    def dim(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def num_layers(self) -> int:
-        return self.num_double + self.num_single
-
-    @property
-    def out_dim(self) -> int:
-        return self.in_dim
-
-
 PRESETS: dict[str, MMDiTConfig | TransformerConfig] = {
     "mmdit-tiny": MMDiTConfig(in_dim=16, vec_dim=16, dim=64, num_heads=4, num_double=2, num_single=2, out_dim=16),
     "mmdit-small": MMDiTConfig(in_dim=32, vec_dim=32, dim=128, num_heads=4, num_double=2, num_single=4, out_dim=32),
-    "mmdit-base": MMDiTConfig(in_dim=32, vec_dim=32, dim=256, num_heads=4, num_double=1, num_single=2, out_dim=32),
     "flux": MMDiTConfig(in_dim=64, vec_dim=768, dim=3072, num_heads=24, num_double=19, num_single=38, out_dim=64),
     "transformer-tiny": TransformerConfig(in_dim=16, dim=64, num_heads=4, num_layers=2, out_dim=16),
-    "diffusers-flux-tiny": DiffusersFluxConfig(),
 }
 """Named sizes: ``*-tiny``/``mmdit-small`` run on CPU in seconds; ``flux`` is the Flux.1 size."""
 
 
 def preset(name: str) -> MMDiTConfig | TransformerConfig:
+    """A reference model's preset by name (``knapformer.tools.presets.preset`` also knows the
+    integrations' presets)."""
     try:
         return PRESETS[name]
     except KeyError:

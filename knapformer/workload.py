@@ -27,14 +27,25 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["WorkloadModel", "transformer_flops"]
+__all__ = ["WorkloadModel", "layer_flops", "transformer_flops"]
+
+
+def layer_flops(tokens: Any, attn: Any, d_model: int, *, causal: bool = False) -> Any:
+    """True forward FLOPs of one Transformer layer for ``tokens`` tokens of token-wise work and
+    ``attn`` = Σ L² of attention work (a rank's share: Σ L²/k over its groups' sequences)."""
+    tokens = np.asarray(tokens, dtype=np.float64)
+    attn = np.asarray(attn, dtype=np.float64)
+    return 24.0 * tokens * d_model * d_model + 4.0 * attn * d_model * (0.5 if causal else 1.0)
 
 
 def transformer_flops(length: int | np.ndarray, d_model: int, *, causal: bool = False) -> Any:
     """True forward FLOPs of one Transformer layer on a sequence of ``length`` tokens."""
     length = np.asarray(length, dtype=np.float64)
-    attn = 4.0 * length * length * d_model * (0.5 if causal else 1.0)
-    return 24.0 * length * d_model * d_model + attn
+    return layer_flops(length, length * length, d_model, causal=causal)
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,14 +79,18 @@ class WorkloadModel:
     def __post_init__(self) -> None:
         if not isinstance(self.d_model, int) or isinstance(self.d_model, bool) or self.d_model <= 0:
             raise ValueError(f"d_model must be a positive int, got {self.d_model!r}")
-        if not (isinstance(self.gamma, (int, float)) and math.isfinite(self.gamma) and self.gamma >= 0):
+        if not (_is_number(self.gamma) and math.isfinite(self.gamma) and self.gamma >= 0):
             raise ValueError(f"gamma must be a finite number >= 0, got {self.gamma!r}")
-        if not isinstance(self.num_layers, int) or self.num_layers <= 0:
+        if not isinstance(self.num_layers, int) or isinstance(self.num_layers, bool) or self.num_layers <= 0:
             raise ValueError(f"num_layers must be a positive int, got {self.num_layers!r}")
+        if not isinstance(self.causal, bool):
+            raise ValueError(f"causal must be a bool, got {self.causal!r}")
         for name in ("linear", "quadratic", "per_seq"):
             v = getattr(self, name)
-            if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+            if v is not None and not (_is_number(v) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} coefficient must be finite and >= 0, got {v!r}")
+        if not isinstance(self.meta, dict):
+            raise ValueError(f"meta must be a dict, got {type(self.meta).__name__}")
         if self.linear_coef == 0 and self.quad_coef == 0:
             raise ValueError("workload model has zero cost for every sequence")
 
@@ -155,7 +170,16 @@ class WorkloadModel:
     def from_profile(cls, path: str | Path) -> WorkloadModel:
         """Load a profile written by :meth:`save` (or the calibrator)."""
         try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"cannot read workload profile {str(path)!r}: {exc}") from exc
-        return cls.from_dict(data)
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ValueError(f"cannot read workload profile {str(path)!r}: {exc.strerror or exc}") from exc
+        except UnicodeDecodeError:
+            raise ValueError(f"workload profile {str(path)!r} is not UTF-8 text (is it a JSON profile?)") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"workload profile {str(path)!r} is not valid JSON: {exc.msg} (line {exc.lineno})"
+            ) from None
+        try:
+            return cls.from_dict(data)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"workload profile {str(path)!r}: {exc}") from None

@@ -73,7 +73,7 @@ RANK_SAMPLES = {
 
 def check_flux_balanced(rank: int, world: int, layout: str, wrapper: str) -> dict:
     from knapformer import SequenceBalancer, WorkloadModel
-    from knapformer.integrations.diffusers import packed_flux_forward
+    from knapformer.integrations.diffusers import flux_seq_lens, packed_flux_forward
 
     spec = RANK_SAMPLES[layout]
     all_samples = [
@@ -93,7 +93,8 @@ def check_flux_balanced(rank: int, world: int, layout: str, wrapper: str) -> dic
     bal = SequenceBalancer(layout, WorkloadModel(d_model=16))
     mine = all_samples[rank]
     first = sum(len(r) for r in all_samples[:rank])
-    outs = packed_flux_forward(model, mine, balancer=bal)
+    bal.plan(flux_seq_lens(mine))  # the step's one plan
+    outs = packed_flux_forward(model, mine, bal)
     with torch.no_grad():
         for o, s in zip(outs, mine):
             assert torch.allclose(o, stock_forward(ref, s), atol=1e-10), "balanced output differs"
@@ -116,3 +117,33 @@ def check_flux_balanced(rank: int, world: int, layout: str, wrapper: str) -> dic
     assert worst < 1e-9, f"{layout}/{wrapper}: gradient relative error {worst:.2e}"
     seq_id, pos = bal.routed_positions()
     return {"routed": int(seq_id.numel()), "grad_err": worst}
+
+
+def check_flux_deprecated_keyword(rank: int, world: int) -> int:
+    import warnings
+
+    from knapformer import SequenceBalancer, WorkloadModel
+    from knapformer.integrations.diffusers import packed_flux_forward
+
+    bal = SequenceBalancer("g2n1", WorkloadModel(d_model=16))
+    samples = [make_sample(2, 3, 2, seed=rank)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        packed_flux_forward(tiny_flux(), samples, balancer=bal)
+    assert any(issubclass(w.category, DeprecationWarning) for w in caught)
+    return bal.num_plans
+
+
+def check_flux_wrong_plan(rank: int, world: int) -> str:
+    from knapformer import SequenceBalancer, WorkloadModel
+    from knapformer.distributed import BalancerInputError
+    from knapformer.integrations.diffusers import packed_flux_forward
+
+    bal = SequenceBalancer("g2n1", WorkloadModel(d_model=16))
+    samples = [make_sample(2, 3, 2, seed=rank), make_sample(2, 2, 1, seed=rank + 5)]  # 8 + 5 tokens
+    bal.plan([5, 8] if rank == 0 else [8, 5])  # rank 0 planned its samples in the wrong order
+    try:
+        packed_flux_forward(tiny_flux(), samples, bal)
+    except BalancerInputError as exc:
+        return str(exc)
+    raise AssertionError("a plan for other sequences was accepted")

@@ -15,16 +15,16 @@ import torch.distributed as dist
 from knapformer import SequenceBalancer, WorkloadModel
 from knapformer.data.batches import batch_from_lens
 from knapformer.models import LocalExecutor, MMDiT, MMDiTConfig, Transformer, TransformerConfig
+from knapformer.tools.families import family_for
 from knapformer.tools.parallelize import apply_checkpointing, apply_fsdp
 
 MM = MMDiTConfig(in_dim=8, vec_dim=8, dim=32, num_heads=4, num_double=1, num_single=1, out_dim=8)
 TR = TransformerConfig(in_dim=8, dim=32, num_heads=4, num_layers=2, out_dim=8)
 
 
-def _run(model, b, ex):
-    if isinstance(model, MMDiT) or isinstance(getattr(model, "module", None), MMDiT):
-        return model(b.x, b.seq_lens, b.txt_lens, b.t, b.vec, executor=ex)
-    return model(b.x, b.seq_lens, executor=ex)
+def _run(model, cfg, b, ex):
+    family = family_for(cfg)
+    return family.forward(model, family.inputs(b, cfg), ex)
 
 
 def _cat(batches):
@@ -50,7 +50,7 @@ def check_model(rank: int, world: int, kind: str, layout: str, lens, txts, wrapp
     model = copy.deepcopy(ref)
     # reference: all sequences of all ranks in one process
     allb = _cat(batches)
-    out_ref = _run(ref, allb, LocalExecutor(allb.seq_lens))
+    out_ref = _run(ref, cfg, allb, LocalExecutor(allb.seq_lens))
     ((out_ref - allb.target) ** 2).sum().backward()
     # balanced, on this rank's share
     if wrapper in ("ckpt", "ckpt+fsdp"):
@@ -60,7 +60,7 @@ def check_model(rank: int, world: int, kind: str, layout: str, lens, txts, wrapp
     bal = SequenceBalancer(layout, WorkloadModel(d_model=cfg.dim))
     b = batches[rank]
     plan = bal.plan(b.seq_lens)
-    out = _run(model, b, bal)
+    out = _run(model, cfg, b, bal)
     start = sum(sum(x) for x in lens[:rank])
     mine = slice(start, start + b.num_tokens)
     err = (out - out_ref.detach()[mine]).abs().max().item() if out.numel() else 0.0

@@ -20,11 +20,25 @@ def test_plan_writes_json(tmp_path):
     out = tmp_path / "plan.json"
     assert main(["plan", "--input", inp, "--bags", "g1n2+g2n1", "--d-model", "64", "--output", str(out)]) == 0
     plan = json.loads(out.read_text())
-    for key in ("bags", "chunks", "work_before", "work_after", "lower_bound", "tokens_moved", "plan_seconds", "solver"):
+    for key in ("bags", "chunks", "time_before", "time_after", "lower_bound", "tokens_moved", "plan_seconds", "solver"):
         assert key in plan
     assert plan["bags"] == [[0], [1], [2, 3]]
     assert sum(row[3] for row in plan["chunks"]) == 1025
     assert all(len(row) == 5 for row in plan["chunks"])
+
+
+def test_plan_json_written_before_the_time_rename_still_loads(tmp_path):
+    """Plan files once named the per-rank times work_before/work_after; they still load."""
+    from knapformer.plan import Plan
+
+    inp = write(tmp_path, {"seq_lens": [[100, 20], [5]]})
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--input", inp, "--bags", "g1n2", "--output", str(out)]) == 0
+    d = json.loads(out.read_text())
+    d["work_before"], d["work_after"] = d.pop("time_before"), d.pop("time_after")
+    old = Plan.from_dict(d)
+    old.validate()
+    assert old.time_after.tolist() == d["work_after"]
 
 
 def test_plan_prints_summary(tmp_path, capsys):

@@ -124,9 +124,11 @@ def test_auto_never_worse_than_best_uniform():
     for mix in ("paper-lowres", "paper-mixres", "paper-joint"):
         steps = [sample_seq_lens(mix, seed=0)]
         best, results, base = search_layouts(steps, shape, hw)
-        uniform = [r for r in results if "+" not in r.bags]
-        assert best.step_s <= min(r.step_s for r in uniform)
-        assert best.step_s <= base.step_s
+        # every uniform layout evaluated on its own, outside the search
+        uniform = [evaluate(steps, f"g{k}n{32 // k}", shape, hw) for k in (1, 2, 4, 8)]
+        assert best.step_s <= min(r.step_s for r in uniform) * (1 + 1e-12)
+        assert best.step_s <= evaluate(steps, "none", shape, hw).step_s
+        assert {r.bags for r in uniform} <= {r.bags for r in results}
 
 
 def test_none_matches_layout_g1_without_moves():
@@ -189,10 +191,18 @@ def test_cli_json_and_heads_incompatible_with_every_layout(tmp_path, capsys):
                 "--model",
                 "transformer-tiny",
                 "--bags",
-                "auto",
+                "search",
                 "--steps",
                 "1",
+                "--json",
             ]
         )
         == 0
     )
+    out = json.loads(capsys.readouterr().out)
+    from knapformer.layout import parse_layout
+
+    searched = [r["bags"] for r in out["rows"][1:]]
+    sizes = {g for s in searched for g, _ in parse_layout(s).terms}
+    assert sizes == {1, 2, 4} and "g4n4" in searched and out["rows"][0]["bags"] == "none"
+    assert out["best"]["step_s"] == min(r["step_s"] for r in out["rows"][1:])

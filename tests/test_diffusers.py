@@ -96,6 +96,20 @@ def test_simulator_runs_the_diffusers_model():
         )
     )
     assert rep["loss_match"] and rep["modes"]["balanced"]["predicted_imbalance_after"] < 0.05
+    # one plan per rank per step: the integration uses the step's plan instead of planning again
+    assert rep["modes"]["balanced"]["plans_per_rank_step"] == 1
+
+
+def test_old_balancer_keyword_still_plans_with_a_warning():
+    """packed_flux_forward(..., balancer=bal) is the deprecated spelling: it warns and plans."""
+    res = run_distributed(W.check_flux_deprecated_keyword, 2, timeout=120)
+    assert res == [1, 1]
+
+
+def test_executor_planned_for_other_samples_is_refused_on_every_rank():
+    """A balancer planned for other lengths (same token count) is refused before data moves."""
+    res = run_distributed(W.check_flux_wrong_plan, 2, timeout=120)
+    assert "planned [5, 8]" in res[0] and all("bad input on rank(s) [0]" in m for m in res), res
 
 
 def test_missing_extra_message(monkeypatch):

@@ -1,20 +1,139 @@
-"""Layers import one way: planning never imports torch; importing knapformer touches no device."""
+"""Layers import one way: planning never imports torch; importing knapformer touches no device;
+no import circles; the core never reaches up into tools, integrations or the cluster model.
 
+Imports are read from the source (every ``import`` statement, top level or inside a function),
+so a lazy import counts as much as an eager one.
+"""
+
+import ast
 import subprocess
 import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent / "knapformer"
 
 PURE = [
     "knapformer",
     "knapformer.workload",
     "knapformer.layout",
     "knapformer.plan",
+    "knapformer.config",
     "knapformer.data",
     "knapformer.cli",
     "knapformer.model_configs",
     "knapformer.cluster",
     "knapformer.workload_fit",
     "knapformer.tools.cluster_cli",
+    "knapformer.tools.plan_cli",
+    "knapformer.tools.sim_config",
+    "knapformer.tools.calibrate_args",
 ]
+CORE = ("workload", "layout", "plan", "config", "distributed", "attention", "models", "model_configs")
+UPPER = ("tools", "integrations", "cluster")
+
+
+def _module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path, root: Path = ROOT) -> set[str]:
+    """Every knapformer module (or package) this file imports, at any depth; for
+    ``from pkg import name`` the candidates ``pkg.name`` (if that is a submodule, the import
+    depends on it alone) and ``pkg`` (marked with a trailing ``|`` as the fallback)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    me = _module_name(path, root)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("knapformer"))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if mod.startswith("knapformer"):
+                out.update(f"{mod}.{a.name}|{mod}" for a in node.names)
+    return out
+
+
+def _graph(root: Path = ROOT) -> dict[str, set[str]]:
+    files = {_module_name(p, root): p for p in root.rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        deps = set()
+        for mod in _imports(path, root):
+            # `from knapformer.plan import X`: on the submodule X if there is one, else the package
+            mod, _, fallback = mod.partition("|")
+            if mod not in files and fallback:
+                mod = fallback
+            while mod and mod not in files:
+                mod = mod.rpartition(".")[0]
+            if mod and mod != name:
+                deps.add(mod)
+        graph[name] = deps
+    return graph
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_no_import_circles():
+    """Depth-first search over the module graph (package __init__ -> submodule edges included)."""
+    graph = _graph()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph.get(m, ())):
+            if state.get(d) == 1:
+                cycles.append(stack[stack.index(d) :] + [d])
+            elif d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    assert cycles == [], "import circles: " + "; ".join(" -> ".join(c) for c in cycles[:5])
+
+
+def test_core_never_imports_tools_integrations_or_cluster():
+    graph = _graph()
+    bad = [
+        f"{m} imports {d}"
+        for m, deps in graph.items()
+        if _layer(m) in CORE
+        for d in deps
+        if _layer(d) in UPPER
+    ]
+    assert bad == [], bad
+
+
+def test_layering_check_sees_lazy_and_relative_imports(tmp_path):
+    """The graph reader counts imports inside functions and relative ones (a mutation check of
+    the test itself, on a throw-away package tree)."""
+    root = tmp_path / "knapformer"
+    for d in ("plan", "tools"):
+        (root / d).mkdir(parents=True)
+        (root / d / "__init__.py").write_text("")
+    (root / "__init__.py").write_text("")
+    (root / "tools" / "cli_support.py").write_text("from ..plan import lazy\n")
+    (root / "plan" / "lazy.py").write_text("def f():\n    from knapformer.tools import cli_support\n")
+    graph = _graph(root)
+    assert "knapformer.tools.cli_support" in graph["knapformer.plan.lazy"]
+    assert "knapformer.plan.lazy" in graph["knapformer.tools.cli_support"]
 
 
 def test_pure_layers_do_not_import_torch():
@@ -28,23 +147,33 @@ def test_pure_layers_do_not_import_torch():
     assert out.stdout.strip() == "", f"pure layers imported: {out.stdout.strip()}"
 
 
+def test_cli_help_imports_no_torch():
+    """Every subcommand's --help is torch-free: parsers are built from the tools' add_args."""
+    code = (
+        "import sys\n"
+        "from knapformer.cli import build_parser\n"
+        "build_parser()\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
 def test_models_and_attention_do_not_use_torch_distributed():
     """Models are single-device user code; attention backends are local; planning and the
     cluster model are numpy. Only distributed/, tools/, integrations/ and testing/ import
     torch.distributed."""
     import re
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent / "knapformer"
     dist_import = re.compile(r"^\s*(import|from)\s+torch\.distributed", re.M)
     torch_import = re.compile(r"^\s*(import|from)\s+torch\b", re.M)
     offenders = [
-        str(p.relative_to(root))
+        str(p.relative_to(ROOT))
         for sub in ("models", "attention")
-        for p in (root / sub).rglob("*.py")
+        for p in (ROOT / sub).rglob("*.py")
         if dist_import.search(p.read_text())
     ]
-    pure = [*(root / "plan").rglob("*.py"), *(root / "cluster").rglob("*.py")]
-    pure += [root / f for f in ("workload.py", "layout.py", "model_configs.py", "workload_fit.py")]
-    offenders += [str(p.relative_to(root)) for p in pure if torch_import.search(p.read_text())]
+    pure = [*(ROOT / "plan").rglob("*.py"), *(ROOT / "cluster").rglob("*.py")]
+    pure += [ROOT / f for f in ("workload.py", "layout.py", "model_configs.py", "workload_fit.py", "config.py")]
+    offenders += [str(p.relative_to(ROOT)) for p in pure if torch_import.search(p.read_text())]
     assert offenders == [], offenders

@@ -31,17 +31,43 @@ def test_every_token_lands_in_exactly_one_chunk(solver, problem):
     assert plan.time_after.sum() == pytest.approx(plan.time_before.sum(), rel=1e-9)
 
 
+def _exact_feasible(lens, layout, cap) -> bool | None:
+    """Whether any bag assignment meets the cap, decided by the MILP (None: not proven)."""
+    try:
+        plan_sequences(lens, layout, MODEL, solver="exact", max_tokens_per_rank=cap, time_budget_s=10)
+    except ValueError:
+        return False  # a necessary condition fails, or HiGHS proved the cap infeasible
+    except TimeoutError:
+        return None
+    return True
+
+
 @given(problem=problems(), data=st.data())
-def test_memory_cap_is_respected_or_refused(problem, data):
-    """Under max_tokens_per_rank the plan either respects the cap on every rank or raises a
-    ValueError that names the cap."""
+@example(problem=(BagLayout(((1, 2),)), [[3, 3], [2, 2, 2]]), data=None)
+def test_memory_cap_is_respected_and_feasible_caps_are_met(problem, data):
+    """Under max_tokens_per_rank the default plan respects the cap on every rank; when it
+    refuses, the message names the cap, and on small inputs the exact MILP agrees that no
+    plan exists (a refused feasible cap is a failure)."""
     layout, lens = problem
     total = sum(map(sum, lens))
-    cap = data.draw(st.integers(1, max(1, total)))
+    if data is None:
+        cap = 6
+    else:
+        # caps near the binding values: the largest rank's tokens, the fluid level, anything
+        level = -(-total // layout.group_size) if total else 1
+        cap = data.draw(
+            st.one_of(
+                st.integers(1, max(1, total)),
+                st.integers(max(1, level - 2), level + 3),
+                st.just(max([sum(r) for r in lens] + [1])),
+            )
+        )
     try:
         plan = plan_sequences(lens, layout, MODEL, max_tokens_per_rank=cap)
     except ValueError as exc:
         assert "max_tokens_per_rank" in str(exc)
+        if sum(map(len, lens)) <= 14:
+            assert _exact_feasible(lens, layout, cap) is not True, f"feasible cap {cap} refused: {exc}"
         return
     plan.validate()
     assert plan.tokens_per_rank().max(initial=0) <= cap
@@ -58,13 +84,28 @@ def test_default_solver_is_never_worse_than_paper(problem):
 
 @given(problem=problems(), data=st.data())
 def test_rank_speed_scales_time(problem, data):
-    """With rank speeds, predicted time is work / speed and plans stay valid."""
+    """With rank speeds, every predicted time is the placement's work / speed (before and
+    after), plans stay valid, and no plan beats the speed-aware lower bound."""
     layout, lens = problem
     speed = data.draw(st.lists(st.floats(0.25, 4.0), min_size=layout.group_size, max_size=layout.group_size))
     plan = plan_sequences(lens, layout, MODEL, rank_speed=speed)
     plan.validate()
     uniform = plan_sequences(lens, layout, MODEL, solver="paper")
     np.testing.assert_allclose(plan.time_before * np.array(speed), uniform.time_before, rtol=1e-9)
+    np.testing.assert_allclose(plan.time_after * np.array(speed), plan.features().cost(MODEL), rtol=1e-9)
+
+
+@pytest.mark.parametrize("solver", [n for n in SOLVERS if n != "paper"] + ["paper"])
+def test_slow_rank_gets_less_work(solver):
+    """The placement follows rank_speed: 40 equal sequences over 4 single-rank bags with one
+    rank 4x slower -> that rank gets about a quarter of a fast rank's tokens (ignoring the
+    speed would give it a full share)."""
+    lens = [[100] * 40, [], [], []]
+    speed = [1.0, 1.0, 1.0, 0.25]
+    plan = plan_sequences(lens, "g1n4", MODEL, rank_speed=speed, solver=solver)
+    tok = plan.tokens_per_rank()
+    assert tok[3] <= 0.35 * tok[:3].min(), tok.tolist()
+    assert plan.makespan <= plan_sequences(lens, "g1n4", MODEL, solver=solver).time_after.max() * 4
 
 
 @given(problem=problems())

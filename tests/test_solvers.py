@@ -39,7 +39,7 @@ def brute_force(problem):
 @pytest.mark.parametrize("name", sorted(SOLVERS))
 @pytest.mark.parametrize("spec, lens", SMALL)
 def test_solver_contract(name, spec, lens):
-    """Valid plan, not below the bound; optimal solvers match brute force."""
+    """Valid plan, not below the bound; every promise flag the solver declares holds."""
     info = get_solver(name)
     problem = PlanProblem(seq_lens=lens, layout=spec, model=MODEL)
     plan = info(problem)
@@ -48,8 +48,39 @@ def test_solver_contract(name, spec, lens):
     assert plan.makespan >= plan.lower_bound * (1 - 1e-9)
     if info.optimal:
         assert fluid_makespan(problem, plan.seq_bag) == pytest.approx(brute_force(problem), rel=1e-9)
-    if info.never_worse_than_paper:
+    if problem.num_seqs <= info.never_worse_than_paper_up_to:
         assert plan.makespan <= plan_sequences(lens, spec, MODEL, solver="paper").makespan * (1 + 1e-12)
+    if info.deterministic:
+        assert info(PlanProblem(seq_lens=lens, layout=spec, model=MODEL)).digest() == plan.digest()
+    if not info.takes_time_budget:
+        with pytest.raises(ValueError, match=f"solver '{name}' takes no time budget"):
+            info(problem, time_budget_s=1.0)
+
+
+@pytest.mark.parametrize("name", sorted(SOLVERS))
+def test_locality_aware_solvers_keep_balanced_input_home(name):
+    """On input that is already perfectly balanced, a locality-aware solver moves nothing."""
+    info = get_solver(name)
+    lens = [[100, 50], [100, 50], [100, 50], [100, 50]]
+    plan = info(PlanProblem(seq_lens=lens, layout="g1n4", model=MODEL))
+    if info.locality_aware:
+        assert plan.tokens_moved == 0
+
+
+@pytest.mark.parametrize("name", sorted(SOLVERS))
+def test_memory_aware_solvers_find_plans_under_a_tight_cap(name):
+    """A cap that only "keep every sequence at home" meets: memory-aware solvers return it."""
+    info = get_solver(name)
+    problem = PlanProblem(seq_lens=[[3, 3], [2, 2, 2]], layout="g1n2", model=MODEL, max_tokens_per_rank=6)
+    if not info.memory_aware:
+        return
+    plan = info(problem)
+    plan.validate()
+    assert plan.tokens_per_rank().max() <= 6
+
+
+def test_deterministic_flag_is_read_by_the_cross_process_test():
+    assert [n for n, i in SOLVERS.items() if not i.deterministic] == []
 
 
 def test_default_solver_near_brute_force_optimum():
@@ -92,12 +123,13 @@ def test_ties_keep_tokens_home():
     assert plan_sequences(lens, "g1n4", MODEL).tokens_moved == 0
 
 
-def test_determinism_across_processes():
+@pytest.mark.parametrize("name", [n for n, i in SOLVERS.items() if i.deterministic and i.scales])
+def test_determinism_across_processes(name):
     lens = sample_seq_lens("paper-joint", seed=3)
     code = (
         "import json,sys; from knapformer import plan_sequences, WorkloadModel;"
         "lens=json.loads(sys.stdin.read());"
-        "print(plan_sequences(lens,'g1n8+g2n4+g4n2+g8n1',WorkloadModel(d_model=3072)).digest())"
+        f"print(plan_sequences(lens,'g1n8+g2n4+g4n2+g8n1',WorkloadModel(d_model=3072),solver={name!r}).digest())"
     )
     digests = set()
     for seed in ("0", "1", "12345"):

@@ -25,6 +25,7 @@ Pure numpy: no torch, no devices.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -32,9 +33,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from knapformer.cluster.hardware import Hardware
-from knapformer.plan import Plan
-from knapformer.plan.plan import DST, LEN, SRC, spread_over_bags
-from knapformer.workload import WorkloadModel, transformer_flops
+from knapformer.plan import Plan, RankFeatures, SeqIndex, validate_seq_lens
+from knapformer.plan.plan import DST, LEN, SRC, spread_over_groups
+from knapformer.plan.problem import sum_by
+from knapformer.workload import WorkloadModel, layer_flops, transformer_flops
 
 __all__ = ["ModelShape", "StepPrediction", "predict_step", "predict_unbalanced", "a2a_seconds", "expected_max_normal"]
 
@@ -140,39 +142,37 @@ def a2a_seconds(sent: np.ndarray, recv: np.ndarray, bw: float, latency: float) -
     return np.where(moved > 0, latency + moved / bw, 0.0)
 
 
-def _rank_load(plan: Plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(tokens, Σ L²/k, sequences run) per rank under ``plan``."""
-    S = plan.num_ranks
-    lens = np.asarray([v for r in plan.seq_lens for v in r], dtype=np.float64)
-    k = np.asarray([len(b) for b in plan.bags], dtype=np.float64)[plan.seq_bag]
-    quad = spread_over_bags(plan.bags, plan.seq_bag, lens * lens / k, S)
-    count = spread_over_bags(plan.bags, plan.seq_bag, np.ones_like(lens), S)
-    return plan.tokens_per_rank().astype(np.float64), quad, count
-
-
-def _compute_seconds(tokens, quad, count, shape: ModelShape, hw: Hardware, profile: WorkloadModel | None):
+def _compute_seconds(f: RankFeatures, shape: ModelShape, hw: Hardware, profile: WorkloadModel | None):
+    """(S,) compute seconds of ranks with features ``f``: the profile's seconds (the planner's
+    own cost function, per layer), else FLOPs over the achievable rate."""
     if profile is not None:
         # profile units: seconds per layer for what it timed (forward + backward by default)
-        per_layer = profile.linear_coef * tokens + profile.quad_coef * quad + profile.per_seq * count
-        per_layer = per_layer + float(profile.meta.get("per_call_seconds", 0.0))
+        per_layer = f.cost(profile) + float(profile.meta.get("per_call_seconds", 0.0))
         mode = profile.meta.get("mode", "fwd+bwd")
         scale = shape.passes / (3 if mode == "fwd+bwd" else 1)
         return per_layer * shape.layers * scale
-    return _flops(tokens, quad, shape) / hw.achievable_flops
-
-
-def _flops(tokens, quad, shape: ModelShape) -> np.ndarray:
-    attn = 4.0 * quad * shape.dim * (0.5 if shape.causal else 1.0)
-    return shape.passes * shape.layers * (24.0 * tokens * shape.dim**2 + attn)
+    flops = shape.passes * shape.layers * layer_flops(f.tokens, f.attn, shape.dim, causal=shape.causal)
+    return flops / hw.achievable_flops
 
 
 def predict_step(
-    plan: Plan, shape: ModelShape, hw: Hardware, *, profile: WorkloadModel | None = None, fixed_s: float = 0.0
+    plan: Plan,
+    shape: ModelShape,
+    hw: Hardware,
+    *,
+    profile: WorkloadModel | None = None,
+    fixed_s: float = 0.0,
+    rank_speed=None,
+    attn_backend: str = "auto",
 ) -> StepPrediction:
-    """Per-rank prediction for a balanced step under ``plan`` (ranks = global GPU ids)."""
+    """Per-rank prediction for a balanced step under ``plan`` (ranks = global GPU ids); with
+    ``rank_speed`` a rank of speed s computes 1/s as fast. ``attn_backend="sdpa_mask"`` prices
+    attention as the dense block-diagonal call it is (every pair of a rank's attention tokens of
+    one degree), the other backends as per-sequence work."""
     S, gpn = plan.num_ranks, hw.gpus_per_node
-    tokens, quad, count = _rank_load(plan)
-    compute = _compute_seconds(tokens, quad, count, shape, hw, profile)
+    feats = _masked(plan.features(), plan) if attn_backend == "sdpa_mask" else plan.features()
+    tokens = feats.tokens
+    compute = _compute_seconds(feats, shape, hw, profile) / _speeds(rank_speed, S)
     bpt = shape.dim * shape.bytes_per_value  # bytes per token of activations
     # -- routing (route + reverse, forward and backward)
     ch = plan.chunks
@@ -205,20 +205,54 @@ def predict_step(
         per_layer = per_layer + _ULYSSES_COPIES * 4 * R / hw.copy_bw
         ulysses[m] = per_layer * shape.layers * (shape.passes - 1)  # forward, backward (x2 wire), recompute
         sync[m] = hw.sync_jitter * expected_max_normal(k) / expected_max_normal(2) * compute[m]  # cached per k
-    lens = np.asarray([v for r in plan.seq_lens for v in r], dtype=np.float64)
+    lens = plan.index.lengths
     flops = float(shape.passes * shape.layers * transformer_flops(lens, shape.dim, causal=shape.causal).sum())
     return StepPrediction(compute, route, ulysses, sync, flops, int(lens.sum()), fixed_s)
 
 
+def _masked(f: RankFeatures, plan: Plan) -> RankFeatures:
+    """Attention share of a block-diagonal masked call: per rank and degree k, one call over all
+    A attention tokens with h/k heads costs A²/k instead of Σ L²/k."""
+    S = plan.num_ranks
+    k = plan.group_sizes().astype(np.float64)
+    L = plan.index.lengths.astype(np.float64)
+    attn = np.zeros(S)
+    for degree in np.unique(k):
+        tokens = spread_over_groups(plan.bags, plan.seq_bag, np.where(k == degree, L, 0.0), S)
+        attn += tokens * tokens / degree
+    return dataclasses.replace(f, attn=attn)
+
+
+def _speeds(rank_speed, S: int) -> np.ndarray:
+    if rank_speed is None:
+        return np.ones(S)
+    s = np.asarray(rank_speed, dtype=np.float64)
+    if s.shape != (S,):
+        raise ValueError(f"rank_speed has {s.size} entries for {S} GPUs")
+    return s
+
+
 def predict_unbalanced(
-    seq_lens, shape: ModelShape, hw: Hardware, *, profile: WorkloadModel | None = None, fixed_s: float = 0.0
+    seq_lens,
+    shape: ModelShape,
+    hw: Hardware,
+    *,
+    profile: WorkloadModel | None = None,
+    fixed_s: float = 0.0,
+    rank_speed=None,
+    attn_backend: str = "auto",
 ) -> StepPrediction:
     """Plain data parallel: every rank computes its own sequences, nothing moves."""
-    S = len(seq_lens)
-    tokens = np.asarray([sum(r) for r in seq_lens], dtype=np.float64)
-    quad = np.asarray([sum(v * v for v in r) for r in seq_lens], dtype=np.float64)
-    count = np.asarray([len(r) for r in seq_lens], dtype=np.float64)
-    compute = _compute_seconds(tokens, quad, count, shape, hw, profile)
-    lens = np.asarray([v for r in seq_lens for v in r], dtype=np.float64)
+    index = SeqIndex(validate_seq_lens(seq_lens))
+    S = index.num_ranks
+    lens = index.lengths.astype(np.float64)
+    feats = RankFeatures(  # every sequence alone on its source rank
+        tokens=index.rank_tokens.astype(np.float64),
+        attn=sum_by(index.src_rank, lens * lens, S),
+        seqs=index.counts.astype(np.float64),
+    )
+    if attn_backend == "sdpa_mask":  # one dense masked call over all of a rank's tokens
+        feats = dataclasses.replace(feats, attn=feats.tokens**2)
+    compute = _compute_seconds(feats, shape, hw, profile) / _speeds(rank_speed, S)
     flops = float(shape.passes * shape.layers * transformer_flops(lens, shape.dim, causal=shape.causal).sum())
     return StepPrediction(compute, np.zeros(S), np.zeros(S), np.zeros(S), flops, int(lens.sum()), fixed_s)

@@ -8,6 +8,7 @@ is the baseline every speedup is measured against.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import statistics
 import time
@@ -16,11 +17,12 @@ from dataclasses import dataclass
 
 from knapformer.cluster.hardware import Hardware
 from knapformer.cluster.model import ModelShape, predict_step, predict_unbalanced
+from knapformer.config import BalancerConfig
 from knapformer.layout import BagLayout, parse_layout
 from knapformer.plan import plan_sequences
 from knapformer.workload import WorkloadModel
 
-__all__ = ["LayoutResult", "evaluate", "candidate_layouts", "search_layouts", "bag_sizes_for"]
+__all__ = ["LayoutResult", "bag_sizes_for", "candidate_layouts", "default_config", "evaluate", "search_layouts"]
 
 
 @dataclass
@@ -76,38 +78,62 @@ def candidate_layouts(num_gpus: int, heads: int, gpus_per_node: int, *, allow_cr
 
 def evaluate(
     steps: Sequence[Sequence[Sequence[int]]],
-    bags: str,
+    balancer: BalancerConfig | str,
     shape: ModelShape,
     hw: Hardware,
     *,
     profile: WorkloadModel | None = None,
-    plan_model: WorkloadModel | None = None,
-    solver: str = "lpt",
     fixed_s: float = 0.0,
+    rank_speed: Sequence[float] | None = None,
+    attn_backend: str = "auto",
 ) -> LayoutResult:
-    """Mean prediction over sampled steps (``bags='none'``: plain data parallel). Compute
-    time comes from ``profile`` if given (else FLOPs); plans use ``profile``, else
-    ``plan_model``, else the paper form with γ=1."""
-    if bags != "none":
-        lay = parse_layout(bags)
-        bad = [k for k, _ in lay.terms if shape.heads % k]
+    """Mean prediction over sampled steps. ``balancer`` is the balancer's configuration (its
+    layout, planning cost model, solver, cap, rank speeds), a layout spec (planned with the
+    default config: ``profile`` or the paper form with γ=1), or ``"none"`` for plain data
+    parallel (then ``rank_speed`` gives the GPUs' speeds). Compute time comes from ``profile``
+    (a calibrated profile's seconds) if given, else from FLOPs."""
+    if isinstance(balancer, str) and balancer != "none":
+        balancer = default_config(shape, balancer, profile)
+    if isinstance(balancer, BalancerConfig):
+        bad = [k for k, _ in balancer.layout.terms if shape.heads % k]
         if bad:
             raise ValueError(f"bag size {bad[0]} does not divide the model's {shape.heads} heads")
-    cost = profile or plan_model or WorkloadModel(d_model=shape.dim, causal=shape.causal)
+        rank_speed, attn_backend = balancer.rank_speed, balancer.attn_backend
+        name = balancer.layout.spec()
+    elif balancer == "none":
+        name = "none"
+    else:
+        raise ValueError(f"balancer must be a BalancerConfig or 'none', got {balancer!r}")
     preds, plan_ms = [], []
     for lens in steps:
-        if bags == "none":
-            preds.append(predict_unbalanced(lens, shape, hw, profile=profile, fixed_s=fixed_s))
+        if not isinstance(balancer, BalancerConfig):
+            preds.append(
+                predict_unbalanced(
+                    lens, shape, hw, profile=profile, fixed_s=fixed_s, rank_speed=rank_speed, attn_backend=attn_backend
+                )
+            )
             plan_ms.append(0.0)
             continue
         t = time.perf_counter()
-        plan = plan_sequences(lens, bags, cost, solver=solver)
+        plan = plan_sequences(
+            lens,
+            balancer.layout,
+            balancer.cost,
+            solver=balancer.solver,
+            max_tokens_per_rank=balancer.max_tokens_per_rank,
+            rank_speed=balancer.rank_speed,
+            options=balancer.solver_options,
+        )
         plan_ms.append(1e3 * (time.perf_counter() - t))
-        preds.append(predict_step(plan, shape, hw, profile=profile, fixed_s=fixed_s))
+        preds.append(
+            predict_step(
+                plan, shape, hw, profile=profile, fixed_s=fixed_s, rank_speed=rank_speed, attn_backend=attn_backend
+            )
+        )
     s = [p.summary(hw) for p in preds]
     mean = lambda k: statistics.mean(x[k] for x in s)  # noqa: E731
     return LayoutResult(
-        bags=bags,
+        bags=name,
         step_s=mean("step_s"),
         tokens_per_s=mean("tokens_per_s"),
         hfu=mean("hfu"),
@@ -117,22 +143,42 @@ def evaluate(
     )
 
 
+def default_config(shape: ModelShape, layout: str, profile: WorkloadModel | None = None) -> BalancerConfig:
+    """The balancer the cluster model assumes when none is given: plans with ``profile`` when
+    there is one, else the paper form with γ=1."""
+    cost = profile or WorkloadModel(d_model=shape.dim, causal=shape.causal)
+    return BalancerConfig(layout=layout, cost=cost)
+
+
 def search_layouts(
     steps,
     shape: ModelShape,
     hw: Hardware,
+    balancer: BalancerConfig | None = None,
     *,
     profile: WorkloadModel | None = None,
-    plan_model: WorkloadModel | None = None,
     allow_cross_node: bool = False,
     fixed_s: float = 0.0,
 ) -> tuple[LayoutResult, list[LayoutResult], LayoutResult]:
-    """(best, all candidates sorted by step time, the 'none' baseline)."""
+    """(best, all candidates sorted by step time, the 'none' baseline). Every candidate layout
+    is planned with ``balancer``'s other settings (its own layout is ignored)."""
     num_gpus = len(steps[0])
-    base = evaluate(steps, "none", shape, hw, profile=profile, fixed_s=fixed_s)
+    if balancer is None:
+        balancer = default_config(shape, f"g1n{num_gpus}", profile)
+    base = evaluate(
+        steps,
+        "none",
+        shape,
+        hw,
+        profile=profile,
+        fixed_s=fixed_s,
+        rank_speed=balancer.rank_speed,
+        attn_backend=balancer.attn_backend,
+    )
     results = []
     for spec in candidate_layouts(num_gpus, shape.heads, hw.gpus_per_node, allow_cross_node=allow_cross_node):
-        r = evaluate(steps, spec, shape, hw, profile=profile, plan_model=plan_model, fixed_s=fixed_s)
+        cfg = dataclasses.replace(balancer, layout=spec)
+        r = evaluate(steps, cfg, shape, hw, profile=profile, fixed_s=fixed_s)
         r.speedup = base.step_s / r.step_s
         results.append(r)
     results.sort(key=lambda r: (r.step_s, r.bags))

@@ -3,15 +3,27 @@
     bal = SequenceBalancer("g1n2+g2n1", WorkloadModel(d_model=64))   # after init_process_group
     plan = bal.plan(local_seq_lens)         # collective over the balancing group
     y = bal.route(x)                        # (sum(local_seq_lens), *F) -> routed tokens
-    o = bal.attention(q, k, v)              # (R, h, D) -> (R, h, D), Ulysses inside bags
+    o = bal.attention(q, k, v)              # (R, h, D) -> (R, h, D), Ulysses inside groups
     x2 = bal.reverse_route(y)               # back to the caller's order
 
 Planning is done independently on every rank from the same gathered lengths (no rank-0
-broadcast); ``debug=True`` checks that all ranks hold the identical plan. Problems that only
-one rank can see (a malformed length list, a tensor of the wrong length) are exchanged as an
-error flag in a small collective before any data moves, so every rank raises together.
+broadcast). What shapes a collective is agreed before data moves (:mod:`.agree`), so bad
+input on one rank raises a clear error on every rank instead of a hang or an abort:
 
-Devices come from tensors (index tensors are copied to the tensor's device once per step);
+- at construction: the balancer's settings (one all-gather of their digests);
+- in ``plan``: every rank's lengths are validated (the gather that collects them carries the
+  error flags);
+- at the first exchange after a new plan: the plan's digest (ranks holding different plans
+  raise :class:`PlanMismatchError`); ``use_plan`` agrees at once;
+- at every ``route``/``reverse_route``/``gather_sequences``: this rank's rows, and the dtypes
+  and trailing shapes of the tensors, in the flag exchange that precedes the data;
+- per attention layer, locally: the first ``pre_attn`` of a plan agrees on the attention
+  shapes (heads, kv heads, head dim, dtype); later layers compare with them for free, and a
+  rank that finds a problem joins the exchange with well-formed zeros and raises at the next
+  agreement point (``reverse_route``, ``route``, ``plan``) together with every other rank.
+  ``debug=True`` agrees on every layer instead (a host sync per layer).
+
+Devices come from tensors (index tensors are copied to the tensor's device once per plan);
 collectives use the group's backend: gloo for CPU tensors, NCCL for CUDA tensors.
 """
 
@@ -24,56 +36,64 @@ import torch
 import torch.distributed as dist
 
 from knapformer.attention import varlen_attention
+from knapformer.config import BalancerConfig
 from knapformer.distributed import ops
+from knapformer.distributed.agree import agree, digest62, group_device
+from knapformer.distributed.errors import BalancerConfigError, BalancerInputError, PlanMismatchError
 from knapformer.distributed.spec import RouteSpec, build_route_spec
-from knapformer.layout import BagLayout, parse_layout
-from knapformer.plan import DEFAULT_SOLVER, Plan, plan_sequences
-from knapformer.plan.problem import validate_seq_lens
+from knapformer.layout import BagLayout
+from knapformer.plan import Plan, PlanProblem, get_solver, validate_seq_lens
 from knapformer.workload import WorkloadModel
 
-__all__ = ["SequenceBalancer", "BalancerInputError"]
+__all__ = ["BalancerConfigError", "BalancerInputError", "PlanMismatchError", "SequenceBalancer"]
 
 
-class BalancerInputError(ValueError):
-    """Bad input on some rank, raised on every rank of the group."""
-
-
-def _group_device(group) -> torch.device:
-    backend = dist.get_backend(group)
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def _signature(tensors: Sequence[torch.Tensor]) -> str:
+    """What must match across ranks for tensors exchanged together: dtypes, trailing shapes."""
+    return ";".join(f"{t.dtype}{tuple(t.shape[1:])}" for t in tensors)
 
 
 class SequenceBalancer:
-    """Plans and executes sequence balancing for one balancing group per replica."""
+    """Plans and executes sequence balancing for one balancing group per replica.
+
+    Build it from a :class:`~knapformer.config.BalancerConfig`, or with the layout and cost
+    model positionally and the other settings as keywords (the same fields)::
+
+        SequenceBalancer(BalancerConfig(layout="g2n4", cost=model, max_tokens_per_rank=8192))
+        SequenceBalancer("g2n4", model, max_tokens_per_rank=8192)
+
+    Construction is a collective over the world (or ``group``): every rank must build its
+    balancer at the same point, with the same settings (checked)."""
 
     def __init__(
         self,
-        layout: str | BagLayout,
-        model: WorkloadModel | str | os.PathLike,
+        layout: str | BagLayout | BalancerConfig,
+        model: WorkloadModel | str | os.PathLike | None = None,
         group: dist.ProcessGroup | None = None,
-        *,
-        solver: str = DEFAULT_SOLVER,
-        max_tokens_per_rank: int | None = None,
-        rank_speed: Sequence[float] | None = None,
-        attn_backend: str = "auto",
-        debug: bool | None = None,
+        **settings,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("SequenceBalancer needs torch.distributed: call init_process_group first")
-        self.layout = parse_layout(layout)
-        # a path is a calibrated profile (knapformer calibrate)
-        self.model = model if isinstance(model, WorkloadModel) else WorkloadModel.from_profile(model)
-        self.solver = solver
-        self.max_tokens_per_rank = max_tokens_per_rank
-        self.rank_speed = None if rank_speed is None else tuple(rank_speed)
-        self.attn_backend = attn_backend
-        self.debug = bool(int(os.environ.get("KNAPFORMER_DEBUG", "0"))) if debug is None else debug
-        S = self.layout.group_size
+        local_error, config = "", None
+        try:
+            if isinstance(layout, BalancerConfig):
+                if model is not None or settings:
+                    raise TypeError("pass either a BalancerConfig or layout, model and settings, not both")
+                config = layout
+            else:
+                if model is None:
+                    raise TypeError("SequenceBalancer needs a cost model (a WorkloadModel or a profile path)")
+                config = BalancerConfig(layout=layout, cost=model, **settings)
+        except (TypeError, ValueError) as exc:
+            local_error = f"{type(exc).__name__}: {exc}"
+        agree_group = dist.group.WORLD if group is None else group
+        self._agree_config(agree_group, config, local_error)
+        assert config is not None
+        self.config = config
+        S = config.layout.group_size
         if group is None:
             world = dist.get_world_size()
-            replicas = self.layout.replica_ranks(world)  # raises (on every rank) if W % S != 0
+            replicas = config.layout.replica_ranks(world)  # the same error on every rank (settings agree)
             if len(replicas) == 1:
                 group = dist.group.WORLD
             else:
@@ -86,32 +106,85 @@ class SequenceBalancer:
                 group = mine
         elif dist.get_world_size(group) != S:
             raise ValueError(
-                f"process group has {dist.get_world_size(group)} ranks but layout {self.layout.spec()!r} needs {S}"
+                f"process group has {dist.get_world_size(group)} ranks but layout {config.layout.spec()!r} needs {S}"
             )
         self.group = group
         self.group_rank = dist.get_rank(group)
+        self.num_plans = 0
+        """Plans made or adopted so far (one per step in a training loop)."""
         self._plan: Plan | None = None
         self._spec: RouteSpec | None = None
+        self._digest = 0
+        self._agreed = False  # the current plan's digest has been agreed across ranks
+        self._attn_sig: tuple | None = None  # agreed (heads, kv heads, head dim, dtype) of this plan
+        self._pending = ""  # a local problem found where no agreement was possible; raised at the next one
 
-    # -- planning ------------------------------------------------------------------------------
+    # -- settings --------------------------------------------------------------------------------
+    @staticmethod
+    def _agree_config(group, config: BalancerConfig | None, local_error: str) -> None:
+        """One all-gather of every setting's digest (and an error flag) over ``group``."""
+        names = list(BalancerConfig.__dataclass_fields__)
+        mine = [1 if local_error else 0] + (config.setting_digests() if config is not None else [0] * len(names))
+        device = group_device(group)
+        t = torch.tensor(mine, dtype=torch.int64, device=device)
+        rows = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(rows, t, group=group)
+        table = torch.stack(rows).cpu().tolist()
+        me = dist.get_rank(group)
+        bad = [r for r, row in enumerate(table) if row[0]]
+        if bad:
+            raise BalancerConfigError(
+                f"SequenceBalancer: invalid settings on rank(s) {bad} (this is rank {me})"
+                + (f": {local_error}" if local_error else "")
+            )
+        differs = []
+        for i, name in enumerate(names):
+            ranks = [r for r, row in enumerate(table) if row[1 + i] != table[0][1 + i]]
+            if ranks:
+                value = config.settings()[name] if config is not None else "?"
+                differs.append(f"{name!r} differs on rank(s) {ranks} from rank 0 (this rank {me} has {value})")
+        if differs:
+            raise BalancerConfigError(
+                "SequenceBalancer: ranks were built with different settings: " + "; ".join(differs)
+            )
+
+    @property
+    def layout(self) -> BagLayout:
+        return self.config.layout  # type: ignore[return-value]
+
+    @property
+    def model(self) -> WorkloadModel:
+        """The planner's cost model."""
+        return self.config.cost  # type: ignore[return-value]
+
+    @property
+    def debug(self) -> bool:
+        return self.config.debug
+
+    # -- planning --------------------------------------------------------------------------------
     def plan(self, local_seq_lens: Sequence[int]) -> Plan:
         """Gather every rank's lengths (two all-gathers), plan, and build this rank's route spec.
         Collective over the balancing group; returns the same :class:`Plan` on every rank."""
-        device = _group_device(self.group)
+        device = group_device(self.group)
         S = self.layout.group_size
-        error = ""
-        try:
-            lens = list(validate_seq_lens([local_seq_lens])[0])
-        except ValueError as exc:
-            error, lens = str(exc).replace("seq_lens[0]", "local_seq_lens"), []
+        error, lens = self._pending, []
+        if not error:
+            try:
+                lens = list(validate_seq_lens([local_seq_lens], name="local_seq_lens")[0])
+            except ValueError as exc:
+                error = str(exc).replace("local_seq_lens[0]", "local_seq_lens")
         head = torch.tensor([len(lens), 1 if error else 0], dtype=torch.int64, device=device)
         heads = [torch.empty_like(head) for _ in range(S)]
         dist.all_gather(heads, head, group=self.group)
         heads_t = torch.stack(heads).cpu()
         bad = heads_t[:, 1].nonzero().flatten().tolist()
         if bad:
-            msg = error or "invalid local_seq_lens"
-            raise BalancerInputError(f"SequenceBalancer.plan: bad local_seq_lens on rank(s) {bad}: {msg}")
+            self._pending = ""
+            self._drop_plan()
+            msg = error or f"see the error raised on rank {bad[0]}"
+            raise BalancerInputError(
+                f"SequenceBalancer.plan: bad local_seq_lens on rank(s) {bad} (this is rank {self.group_rank}): {msg}"
+            )
         counts = heads_t[:, 0].tolist()
         width = max(max(counts), 1)
         padded = torch.zeros(width, dtype=torch.int64, device=device)
@@ -119,41 +192,62 @@ class SequenceBalancer:
             padded[: len(lens)] = torch.tensor(lens, dtype=torch.int64)
         gathered = [torch.empty_like(padded) for _ in range(S)]
         dist.all_gather(gathered, padded, group=self.group)
-        all_lens = [g[:c].tolist() for g, c in zip(torch.stack(gathered).cpu(), counts)]
-        plan = plan_sequences(
-            all_lens,
-            self.layout,
-            self.model,
-            solver=self.solver,
-            max_tokens_per_rank=self.max_tokens_per_rank,
-            rank_speed=self.rank_speed,
+        all_lens = tuple(tuple(g[:c].tolist()) for g, c in zip(torch.stack(gathered).cpu(), counts))
+        cfg = self.config
+        problem = PlanProblem(  # lengths were validated on their own ranks and agreed above
+            seq_lens=all_lens,
+            layout=cfg.layout,
+            model=cfg.cost,
+            max_tokens_per_rank=cfg.max_tokens_per_rank,
+            rank_speed=cfg.rank_speed,
+            options=cfg.solver_options,
         )
+        try:
+            plan = get_solver(cfg.solver)(problem)
+        except ValueError as exc:  # e.g. an infeasible memory cap: the same on every rank
+            self._drop_plan()
+            raise BalancerInputError(f"SequenceBalancer.plan: {exc}") from exc
+        self._adopt(plan, build_route_spec(plan, self.group_rank), agreed=False)
         if self.debug:
-            self._check_same_plan(plan, device)
-        self._plan = plan
-        self._spec = build_route_spec(plan, self.group_rank)
+            self._agree("plan")
         return plan
 
     def use_plan(self, plan: Plan) -> Plan:
-        """Execute a plan made elsewhere (any grouping of ranks: non-contiguous, per step).
-        Not a collective: every rank must pass the identical plan (``debug=True`` checks).
-        The local tensors must follow ``plan.seq_lens[group_rank]``."""
-        if plan.num_ranks != self.layout.group_size:
-            raise ValueError(f"plan has {plan.num_ranks} ranks, the balancing group {self.layout.group_size}")
-        if self.debug:
-            self._check_same_plan(plan, _group_device(self.group))
-        self._plan = plan
-        self._spec = build_route_spec(plan, self.group_rank)
+        """Execute a plan made elsewhere (any groups of ranks: non-contiguous, overlapping,
+        different every step). Collective: every rank must pass the identical plan; it is
+        validated and its digest agreed before use, so a bad or different plan raises on every
+        rank. The local tensors must follow ``plan.seq_lens[group_rank]``."""
+        error, spec = self._pending, None
+        if not error:
+            try:
+                if not isinstance(plan, Plan):
+                    raise TypeError(f"use_plan needs a Plan, got {type(plan).__name__}")
+                if plan.num_ranks != self.layout.group_size:
+                    raise ValueError(f"plan has {plan.num_ranks} ranks, the balancing group {self.layout.group_size}")
+                plan.validate()
+                spec = build_route_spec(plan, self.group_rank)
+            except (TypeError, ValueError) as exc:
+                error = f"{type(exc).__name__}: {exc}"
+        self._pending = ""
+        digest = digest62(plan.digest()) if spec is not None else 0
+        try:
+            agree(self.group, "SequenceBalancer.use_plan", error, {"plan": digest})
+        except BalancerInputError:
+            self._drop_plan()
+            raise
+        self._adopt(plan, spec, agreed=True)
         return plan
 
-    def _check_same_plan(self, plan: Plan, device: torch.device) -> None:
-        h = int(plan.digest()[:15], 16)
-        lo = torch.tensor([h], dtype=torch.int64, device=device)
-        hi = lo.clone()
-        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=self.group)
-        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.group)
-        if int(lo) != int(hi):
-            raise RuntimeError("ranks computed different plans from the same lengths (nondeterministic planner?)")
+    def _adopt(self, plan: Plan, spec: RouteSpec, *, agreed: bool) -> None:
+        self._plan, self._spec = plan, spec
+        self._digest = digest62(plan.digest())
+        self._agreed = agreed
+        self._attn_sig = None
+        self.num_plans += 1
+
+    def _drop_plan(self) -> None:
+        self._plan = self._spec = None
+        self._agreed = False
 
     @property
     def current_plan(self) -> Plan:
@@ -168,14 +262,18 @@ class SequenceBalancer:
             raise RuntimeError("SequenceBalancer: call plan(local_seq_lens) before route/attention/reverse_route")
         return self._plan, self._spec
 
-    def _agree(self, error: str, device: torch.device, where: str) -> None:
-        """One small all-reduce of an error flag so that a local problem raises everywhere."""
-        flag = torch.tensor([1 if error else 0], dtype=torch.int64, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        if int(flag):
-            raise BalancerInputError(f"SequenceBalancer.{where}: {error or 'bad input on another rank'}")
+    # -- agreement ---------------------------------------------------------------------------------
+    def _agree(self, where: str, error: str = "", **values: str) -> None:
+        """The flag exchange before data moves: this rank's error (or one deferred from an
+        earlier layer), the plan digest until it is agreed, and ``values`` (signatures)."""
+        error = self._pending or error
+        self._pending = ""
+        digests = {"plan": self._digest} if not self._agreed else {}
+        digests.update({k.replace("_", " "): digest62(v) for k, v in values.items()})
+        agree(self.group, f"SequenceBalancer.{where}", error, digests)
+        self._agreed = True
 
-    def _check_rows(self, tensors: Sequence[torch.Tensor], rows: int, where: str) -> None:
+    def _check_rows(self, tensors: Sequence[torch.Tensor], rows: int, where: str, *, seq_lens=None) -> None:
         error = ""
         if not tensors:
             error = "no tensors given"
@@ -189,16 +287,22 @@ class SequenceBalancer:
                     error = f"argument {i} is on {t.device}, argument 0 on {tensors[0].device}"
                 if error:
                     break
-        device = tensors[0].device if tensors and isinstance(tensors[0], torch.Tensor) else _group_device(self.group)
-        self._agree(error, device, where)
+        if not error and seq_lens is not None:
+            planned = list(self.current_plan.seq_lens[self.group_rank])
+            if [int(n) for n in seq_lens] != planned:
+                error = f"the tensors are laid out as sequences {list(seq_lens)[:8]}..., planned {planned[:8]}..."
+        ok = not error
+        self._agree(where, error, dtypes_and_shapes=_signature(tensors) if ok else "?")
 
     # -- execution -------------------------------------------------------------------------------
-    def route(self, x: torch.Tensor, *features: torch.Tensor):
+    def route(self, x: torch.Tensor, *features: torch.Tensor, seq_lens: Sequence[int] | None = None):
         """Move tokens (T, *F) to their planned ranks -> (R, *F); several tensors -> a tuple.
-        One all_to_all_single per dtype; differentiable (backward = reverse exchange)."""
+        One all_to_all_single per dtype; differentiable (backward = reverse exchange).
+        ``seq_lens`` (optional): the lengths the tensors are laid out in, checked against the
+        plan (catches a batch from another step with the same token count)."""
         _, spec = self._require_spec()
         tensors = (x, *features)
-        self._check_rows(tensors, spec.num_local, "route")
+        self._check_rows(tensors, spec.num_local, "route", seq_lens=seq_lens)
         out = ops.route(tensors, spec, self.group)
         return out[0] if not features else tuple(out)
 
@@ -210,32 +314,86 @@ class SequenceBalancer:
         out = ops.reverse_route(tensors, spec, self.group)
         return out[0] if not features else tuple(out)
 
+    def _attn_problem(self, q, k, v, spec: RouteSpec) -> tuple[str, tuple]:
+        """(error, signature) of q, k, v against the plan, checked locally."""
+        if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+            return "q, k, v must be tensors", ()
+        sig = (tuple(q.shape[1:]), tuple(k.shape[1:]), tuple(v.shape[1:]), str(q.dtype), str(k.dtype), str(v.dtype))
+        if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+            return (
+                f"q, k, v must be (tokens, heads, head_dim); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}",
+                sig,
+            )
+        if k.shape != q.shape or v.shape[:2] != q.shape[:2]:
+            return (
+                f"q, k, v must be (tokens, heads, head_dim) of one shape; got {tuple(q.shape)}, "
+                f"{tuple(k.shape)}, {tuple(v.shape)}"
+            ), sig
+        if q.dtype != k.dtype or q.dtype != v.dtype:
+            return f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}", sig
+        if q.shape[0] != spec.num_routed:
+            return f"q has {q.shape[0]} tokens on rank {self.group_rank}; routed tokens: {spec.num_routed}", sig
+        return "", sig
+
     def pre_attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """(R, h, D) each -> (A, h/k, D) each, plus ``cu_seqlens`` (int32) and ``max_len``
-        for a custom varlen kernel. Shapes are validated identically on every rank."""
+        for a custom varlen kernel. Checked as the module docstring says."""
         _, spec = self._require_spec()
-        self._check_qkv(q, k, v, spec)
+        error, sig = self._attn_problem(q, k, v, spec)
+        if not error:
+            error = ops.check_heads(q.shape[1], spec)  # from the plan: the same on every rank
+        if self.debug or self._attn_sig is None or not self._agreed:
+            self._agree("pre_attn", error, attention_shapes=repr(sig) if not error else "?")
+            self._attn_sig = (sig, q.device)
+        elif error or sig != self._attn_sig[0]:
+            self._pending = self._pending or (
+                error or f"q/k/v shapes or dtypes {sig} differ from this step's {self._attn_sig[0]}"
+            )
+            q, k, v = self._zeros_like_agreed(spec)
         q2, k2, v2 = ops.pre_attn((q, k, v), spec, self.group)
         idx = spec.indices_on(q.device)
         return q2, k2, v2, idx["cu_seqlens"], max(spec.attn_seq_lens, default=0)
 
+    def _zeros_like_agreed(self, spec: RouteSpec):
+        """Well-formed stand-ins for q, k, v of this step's agreed shapes (so the exchange the
+        other ranks are in completes; the error is raised at the next agreement point)."""
+        (qs, ks, vs, qd, kd, vd), device = self._attn_sig  # type: ignore[misc]
+        R = spec.num_routed
+        return tuple(
+            torch.zeros((R, *s), dtype=getattr(torch, d.replace("torch.", "")), device=device)
+            for s, d in ((qs, qd), (ks, kd), (vs, vd))
+        )
+
     def post_attn(self, o: torch.Tensor) -> torch.Tensor:
         """(A, h/k, D) -> (R, h, D); inverse of :meth:`pre_attn`."""
         _, spec = self._require_spec()
+        if self._attn_sig is None:
+            raise RuntimeError("SequenceBalancer.post_attn: call pre_attn first (post_attn inverts it)")
+        (qs, _, vs, _, _, vd), device = self._attn_sig
+        expected = ops.attn_output_shape(spec, qs[0], vs[1])
+        error = ""
+        if not isinstance(o, torch.Tensor) or tuple(o.shape) != expected or str(o.dtype) != vd:
+            got = (tuple(o.shape), o.dtype) if isinstance(o, torch.Tensor) else type(o).__name__
+            error = f"post_attn got {got} on rank {self.group_rank}, expected {expected} of {vd}"
+        if self.debug:
+            self._agree("post_attn", error)
+        elif error:
+            self._pending = self._pending or error
+            o = torch.zeros(expected, dtype=getattr(torch, vd.replace("torch.", "")), device=device)
         return ops.post_attn((o,), spec, self.group)[0]
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
         """Attention of routed tokens within their own sequences: (R, h, D) -> (R, h, D)."""
         q2, k2, v2, cu, max_len = self.pre_attn(q, k, v)
-        o2 = varlen_attention(q2, k2, v2, cu, max_len, causal=causal, backend=self.attn_backend)
+        o2 = varlen_attention(q2, k2, v2, cu, max_len, causal=causal, backend=self.config.attn_backend)
         return self.post_attn(o2)
 
     def gather_sequences(self, *per_seq: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Per-sequence rows of every rank of the group, in group sequence-id order: (n_local,
         *F) each -> (n_group, *F), indexable by ``routed_positions()[0]``. Differentiable; one
         collective per dtype. Use it for conditioning (timestep/AdaLN vectors, text lengths)."""
-        plan, spec = self._require_spec()
-        counts = [len(r) for r in plan.seq_lens]
+        plan, _ = self._require_spec()
+        counts = plan.index.counts.tolist()
         self._check_rows(per_seq, counts[self.group_rank], "gather_sequences")
         return tuple(ops.gather_sequences(per_seq, counts, self.group_rank, self.group))
 
@@ -246,17 +404,3 @@ class SequenceBalancer:
             return spec.routed_seq_id, spec.routed_pos
         idx = spec.indices_on(device)
         return idx["routed_seq_id"], idx["routed_pos"]
-
-    def _check_qkv(self, q, k, v, spec: RouteSpec) -> None:
-        # every rank sees the same head count and the same plan: no collective needed
-        if q.dim() != 3 or k.shape != q.shape or v.shape[:2] != q.shape[:2]:
-            raise ValueError(f"q, k, v must be (tokens, heads, head_dim) of one shape; got {tuple(q.shape)}, "
-                             f"{tuple(k.shape)}, {tuple(v.shape)}")
-        ops.check_heads(q.shape[1], spec)
-        error = ""
-        if q.shape[0] != spec.num_routed:
-            error = f"q has {q.shape[0]} tokens on rank {self.group_rank}; routed tokens: {spec.num_routed}"
-        if self.debug:  # per-layer flag exchange only in debug mode (it syncs the host)
-            self._agree(error, q.device, "pre_attn")
-        elif error:
-            raise ValueError(f"SequenceBalancer.pre_attn: {error}")

@@ -32,7 +32,15 @@ import torch.distributed as dist
 from knapformer.distributed.spec import RouteSpec
 
 __all__ = [
-    "all_to_all", "permute_rows", "route", "reverse_route", "pre_attn", "post_attn", "check_heads", "gather_sequences",
+    "all_to_all",
+    "attn_output_shape",
+    "permute_rows",
+    "route",
+    "reverse_route",
+    "pre_attn",
+    "post_attn",
+    "check_heads",
+    "gather_sequences",
 ]
 
 
@@ -136,7 +144,10 @@ def route(tensors: Sequence[torch.Tensor], spec: RouteSpec, group=None) -> list[
     """Local order -> routed order for each tensor (T, *F) -> (R, *F)."""
     idx = spec.indices_on(tensors[0].device)
     return _packed_exchange(
-        tensors, spec.send_splits, spec.recv_splits, group,
+        tensors,
+        spec.send_splits,
+        spec.recv_splits,
+        group,
         rows_before=lambda p: permute_rows(p, idx["send_index"], idx["send_inverse"]),
     )
 
@@ -145,7 +156,10 @@ def reverse_route(tensors: Sequence[torch.Tensor], spec: RouteSpec, group=None) 
     """Routed order -> local order for each tensor (R, *F) -> (T, *F); inverse of :func:`route`."""
     idx = spec.indices_on(tensors[0].device)
     return _packed_exchange(
-        tensors, spec.recv_splits, spec.send_splits, group,
+        tensors,
+        spec.recv_splits,
+        spec.send_splits,
+        group,
         rows_after=lambda p: permute_rows(p, idx["send_inverse"], idx["send_index"]),
     )
 
@@ -156,20 +170,29 @@ def gather_sequences(tensors: Sequence[torch.Tensor], counts: list[int], rank: i
     each copy received (an all-gather whose backward works on gloo too)."""
     S = len(counts)
     return _packed_exchange(
-        tensors, [counts[rank]] * S, list(counts), group,
+        tensors,
+        [counts[rank]] * S,
+        list(counts),
+        group,
         before=lambda t: _rows_by_features(t).repeat(S, 1),
     )
 
 
-def check_heads(num_heads: int, spec: RouteSpec) -> None:
-    """Every bag size must divide the head count; checked from the plan, identically on every
-    rank, so all ranks raise together instead of hanging in a collective."""
+def check_heads(num_heads: int, spec: RouteSpec) -> str:
+    """Why ``num_heads`` cannot run this plan ("" if it can): every group size must divide the
+    head count. Decided from the plan, identically on every rank."""
     bad = [k for k in spec.all_bag_sizes if num_heads % k]
     if bad:
-        raise ValueError(
+        return (
             f"{num_heads} attention heads cannot be split evenly over bag size {bad[0]} "
             f"(bag sizes in this plan: {list(spec.all_bag_sizes)})"
         )
+    return ""
+
+
+def attn_output_shape(spec: RouteSpec, num_heads: int, head_dim: int) -> tuple[int, int, int]:
+    """Shape :func:`post_attn` expects: attention tokens × this rank's heads × head dim."""
+    return (spec.num_attn, num_heads // spec.bag_size, head_dim)
 
 
 def pre_attn(tensors: Sequence[torch.Tensor], spec: RouteSpec, group=None) -> list[torch.Tensor]:
@@ -179,7 +202,9 @@ def pre_attn(tensors: Sequence[torch.Tensor], spec: RouteSpec, group=None) -> li
     puts the received rows in attention order, and the outputs are strided views of that
     buffer (SDPA and flash-attn accept them)."""
     h = tensors[0].shape[1]
-    check_heads(h, spec)
+    error = check_heads(h, spec)
+    if error:
+        raise ValueError(error)
     if not spec.any_multi_rank_bag:
         return list(tensors)
     k = spec.bag_size
@@ -193,7 +218,10 @@ def pre_attn(tensors: Sequence[torch.Tensor], spec: RouteSpec, group=None) -> li
         return t.transpose(0, 1)
 
     return _packed_exchange(
-        tensors, spec.attn_send_splits, spec.attn_recv_splits, group,
+        tensors,
+        spec.attn_send_splits,
+        spec.attn_recv_splits,
+        group,
         before=before,
         rows_after=lambda p: permute_rows(p, idx["attn_index"], idx["attn_inverse"]),
         after=lambda piece, t: piece.unflatten(1, (h // k, t.shape[2])),
@@ -216,7 +244,10 @@ def post_attn(tensors: Sequence[torch.Tensor], spec: RouteSpec, group=None) -> l
         return piece.transpose(0, 1).reshape(R, k * hk, D)
 
     return _packed_exchange(
-        tensors, spec.attn_recv_splits, spec.attn_send_splits, group,
+        tensors,
+        spec.attn_recv_splits,
+        spec.attn_send_splits,
+        group,
         rows_before=lambda p: permute_rows(p, idx["attn_inverse"], idx["attn_index"]),
         after=after,
     )

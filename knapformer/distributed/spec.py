@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from knapformer.plan import Plan
-from knapformer.plan.plan import DST, IDX, LEN, SRC, START
+from knapformer.plan.plan import DST, LEN, SRC, START
 
 __all__ = ["RouteSpec", "build_route_spec"]
 
@@ -60,8 +60,6 @@ class RouteSpec:
     """(R,) position of each routed token within its sequence."""
     bag_size: int
     """k: ranks in this rank's bag (1 = no Ulysses exchange)."""
-    bag_members: list[int]
-    """Group ranks of this rank's bag, in chunk (head-group) order."""
     attn_send_splits: list[int]
     attn_recv_splits: list[int]
     head_order: torch.Tensor
@@ -72,8 +70,6 @@ class RouteSpec:
     """(A,) row of the received buffer for each attention-order token."""
     attn_seq_lens: list[int]
     """Lengths of the whole sequences this rank attends over (attention order)."""
-    attn_seq_ids: list[int]
-    """Their global sequence ids."""
     all_bag_sizes: tuple[int, ...]
     """Sizes of every bag of the plan (to check head divisibility identically on all ranks)."""
     any_multi_rank_bag: bool
@@ -107,14 +103,9 @@ def build_route_spec(plan: Plan, rank: int) -> RouteSpec:
     if not 0 <= rank < S:
         raise ValueError(f"rank {rank} is outside the plan's group of {S} ranks")
     ch = plan.chunks
-    counts = np.asarray([len(r) for r in plan.seq_lens], dtype=np.int64)
-    first_seq = np.concatenate([[0], np.cumsum(counts)])
-    flat_lens = np.asarray([v for r in plan.seq_lens for v in r], dtype=np.int64)
-    # offset of each sequence inside its source rank's local tensor
-    rank_tokens = np.asarray([sum(r) for r in plan.seq_lens], dtype=np.int64)
-    local_start = np.cumsum(flat_lens) - flat_lens
-    local_start -= np.repeat(np.cumsum(rank_tokens) - rank_tokens, counts)
-    gid = first_seq[ch[:, SRC]] + ch[:, IDX]
+    index = plan.index
+    flat_lens, local_start, rank_tokens = index.lengths, index.local_start, index.rank_tokens
+    gid = plan.chunk_gid
 
     # -- route: send my chunks grouped by destination (stable: sequence order within)
     mine = np.flatnonzero(ch[:, SRC] == rank)
@@ -169,14 +160,12 @@ def build_route_spec(plan: Plan, rank: int) -> RouteSpec:
         routed_seq_id=torch.from_numpy(routed_seq_id.astype(np.int64)),
         routed_pos=torch.from_numpy(routed_pos),
         bag_size=k,
-        bag_members=members,
         attn_send_splits=attn_send.tolist(),
         attn_recv_splits=attn_recv.tolist(),
         head_order=torch.from_numpy(head_order),
         heads_in_order=members == ascending,
         attn_index=torch.from_numpy(attn_index),
         attn_seq_lens=flat_lens[seq_ids].tolist(),
-        attn_seq_ids=seq_ids.tolist(),
         all_bag_sizes=tuple(sorted({len(b) for b in plan.bags})),
         any_multi_rank_bag=any(len(b) > 1 for b in plan.bags),
     )

@@ -1,7 +1,8 @@
 """Packed, variable-length (and balanced) forward of a stock diffusers ``FluxTransformer2DModel``.
 
-    from knapformer.integrations.diffusers import FluxSample, packed_flux_forward
-    outs = packed_flux_forward(model, samples, balancer=bal)   # list of (T_img_i, C) tensors
+    from knapformer.integrations.diffusers import FluxSample, flux_seq_lens, packed_flux_forward
+    bal.plan(flux_seq_lens(samples))                        # once per step, like any model
+    outs = packed_flux_forward(model, samples, bal)          # list of (T_img_i, C) tensors
 
 Each sample brings its own resolution, text length, timestep, guidance and RoPE ids; the
 model's own modules and weights do all the math. How it works with *stock* block forwards:
@@ -23,9 +24,11 @@ model's own modules and weights do all the math. How it works with *stock* block
 - Packed metadata travels as ``joint_attention_kwargs`` (an argument of every block call, so
   activation-checkpoint recompute sees it); blocks always run as their own ``forward`` (FSDP2
   per block works).
-- With a balancer, tokens are routed right after the embedders, the per-sample ``temb`` is
-  shared with ``gather_sequences``, RoPE ids travel with the tokens, and the image outputs
-  are routed back before being split per sample.
+- The executor is planned by the caller, once per step, with :func:`flux_seq_lens` (text +
+  image tokens of each sample): a ``SequenceBalancer`` routes tokens right after the
+  embedders, shares the per-sample ``temb`` with ``gather_sequences``, carries RoPE ids with
+  the tokens and routes the image outputs back before they are split per sample; without one
+  (or with a ``LocalExecutor``) attention runs within each sample on this process.
 
 Importing knapformer never imports diffusers; this module does, and needs
 ``pip install 'knapformer[diffusers]'`` (diffusers >= 0.35, < 0.43).
@@ -33,6 +36,7 @@ Importing knapformer never imports diffusers; this module does, and needs
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -42,10 +46,12 @@ from knapformer.models.executor import LocalExecutor, TokenExecutor, local_posit
 from knapformer.models.layers import merge_streams, split_streams
 
 __all__ = [
+    "DiffusersFluxConfig",
     "FluxSample",
     "PackedFluxAttnProcessor",
     "PackedFluxOutput",
     "build_flux",
+    "flux_seq_lens",
     "packed_flux_forward",
     "prepare_flux",
     "samples_from_batch",
@@ -70,6 +76,36 @@ def require_diffusers():
             "pip install 'knapformer[diffusers]'"
         )
     return diffusers
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiffusersFluxConfig:
+    """A randomly initialised diffusers ``FluxTransformer2DModel`` (no download); the defaults
+    are the ``diffusers-flux-tiny`` preset."""
+
+    num_heads: int = 4
+    head_dim: int = 32
+    num_double: int = 2
+    num_single: int = 2
+    in_dim: int = 16
+    """Latent channels (``in_channels``)."""
+    text_dim: int = 32
+    """``joint_attention_dim``."""
+    vec_dim: int = 32
+    """``pooled_projection_dim``."""
+    axes_dims_rope: tuple[int, int, int] = (8, 12, 12)
+
+    @property
+    def dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def num_layers(self) -> int:
+        return self.num_double + self.num_single
+
+    @property
+    def out_dim(self) -> int:
+        return self.in_dim
 
 
 @dataclass
@@ -231,12 +267,32 @@ def prepare_flux(model) -> None:
     model._knapformer_prepared = True
 
 
-def packed_flux_forward(model, samples: Sequence[FluxSample], balancer=None) -> PackedFluxOutput:
+def flux_seq_lens(samples: Sequence[FluxSample]) -> list[int]:
+    """Tokens of each sample as the packed forward lays them out (its text, then its image):
+    the lengths to plan the step with."""
+    return [int(s.text.shape[0]) + int(s.latents.shape[0]) for s in samples]
+
+
+def packed_flux_forward(
+    model, samples: Sequence[FluxSample], executor: TokenExecutor | None = None, *, balancer=None
+) -> PackedFluxOutput:
     """Outputs (T_img_i, out_channels) for each sample, in order; differentiable.
 
-    With ``balancer`` (a ``SequenceBalancer``), plans this rank's samples (a collective: every
-    rank of the group must call it), routes tokens, and balances attention; without it,
-    attention runs within each sample locally."""
+    ``executor`` is a ``SequenceBalancer`` already planned for this step with
+    ``flux_seq_lens(samples)`` (every rank of the group calls this function), a
+    ``LocalExecutor``, or None (attention within each sample on this process). ``balancer=``
+    is the old spelling that planned inside the forward; it still works, with a warning."""
+    if balancer is not None:
+        if executor is not None:
+            raise ValueError("pass the planned executor once (executor=), not also balancer=")
+        warnings.warn(
+            "packed_flux_forward(..., balancer=bal) plans inside the forward and is deprecated: call "
+            "bal.plan(flux_seq_lens(samples)) once per step and pass packed_flux_forward(model, samples, bal)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        balancer.plan(flux_seq_lens(samples))
+        executor = balancer
     prepare_flux(model)
     device = model.x_embedder.weight.device
     dtype = model.x_embedder.weight.dtype
@@ -264,16 +320,10 @@ def packed_flux_forward(model, samples: Sequence[FluxSample], balancer=None) -> 
     i_txt, i_img, inv = split_streams(is_txt_l)
     h_local = merge_streams(txt_h, img_h, inv)  # (T, D) in local order
     ids = _cat([torch.cat([s.txt_ids, s.img_ids]) for s in samples], (0, 3), device, None)
-    # 2. route (or stay)
-    ex: TokenExecutor
-    if balancer is not None:
-        balancer.plan(seq_lens)
-        ex = balancer
-        h, ids_r = balancer.route(h_local, ids.to(torch.float64))
-        temb_all, txt_all = balancer.gather_sequences(temb, tl)
-    else:
-        ex = LocalExecutor(seq_lens)
-        h, ids_r, temb_all, txt_all = h_local, ids.to(torch.float64), temb, tl
+    # 2. route (a local executor keeps everything in place)
+    ex = executor if executor is not None else LocalExecutor(seq_lens)
+    h, ids_r = ex.route(h_local, ids.to(torch.float64), seq_lens=seq_lens)
+    temb_all, txt_all = ex.gather_sequences(temb, tl)
     seq_id, pos = ex.routed_positions(device)
     is_txt = pos < txt_all.index_select(0, seq_id)
     r_txt, r_img, r_inv = split_streams(is_txt)

@@ -1,12 +1,14 @@
 """Reference DiT models written as user code (no torch.distributed).
 
 Main API: :class:`Transformer`, :class:`MMDiT`, their configs, :func:`preset` (``tiny``,
-``small``, ``flux``) and :class:`LocalExecutor` (no balancing).
+``small``, ``flux``), :func:`build_model` and :class:`LocalExecutor` (no balancing).
 """
 
 from __future__ import annotations
 
-from knapformer.model_configs import PRESETS, DiffusersFluxConfig, MMDiTConfig, TransformerConfig, preset
+import torch.nn as nn
+
+from knapformer.model_configs import PRESETS, MMDiTConfig, TransformerConfig, preset
 from knapformer.models.executor import LocalExecutor, TokenExecutor, local_positions
 from knapformer.models.mmdit import MMDiT
 from knapformer.models.transformer import Transformer
@@ -25,10 +27,10 @@ __all__ = [
 ]
 
 
-def build_model(cfg):
-    """A model for a config; diffusers presets need ``pip install 'knapformer[diffusers]'``."""
-    if isinstance(cfg, DiffusersFluxConfig):
-        from knapformer.integrations.diffusers import build_flux
-
-        return build_flux(cfg)
-    return MMDiT(cfg) if isinstance(cfg, MMDiTConfig) else Transformer(cfg)
+def build_model(cfg: MMDiTConfig | TransformerConfig) -> nn.Module:
+    """The reference model of a config (integrated models are built by their integration)."""
+    if isinstance(cfg, MMDiTConfig):
+        return MMDiT(cfg)
+    if isinstance(cfg, TransformerConfig):
+        return Transformer(cfg)
+    raise TypeError(f"no reference model for {type(cfg).__name__}; integrated models have their own builders")

@@ -18,7 +18,7 @@ __all__ = ["TokenExecutor", "LocalExecutor", "local_positions"]
 
 
 class TokenExecutor(Protocol):
-    def route(self, x: torch.Tensor, *features: torch.Tensor): ...
+    def route(self, x: torch.Tensor, *features: torch.Tensor, seq_lens: Sequence[int] | None = None): ...
     def reverse_route(self, y: torch.Tensor, *features: torch.Tensor): ...
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor: ...
     def routed_positions(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
@@ -44,10 +44,13 @@ class LocalExecutor:
             [0, *torch.tensor(self.seq_lens, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32
         )
 
-    def route(self, x, *features):
+    def route(self, x, *features, seq_lens=None):
+        if seq_lens is not None and [int(n) for n in seq_lens] != self.seq_lens:
+            raise ValueError(f"tensors laid out as sequences {list(seq_lens)}, this executor has {self.seq_lens}")
         return x if not features else (x, *features)
 
-    reverse_route = route
+    def reverse_route(self, y, *features):
+        return y if not features else (y, *features)
 
     def attention(self, q, k, v, causal: bool = False):
         return varlen_attention(

@@ -35,7 +35,7 @@ from knapformer.model_configs import MMDiTConfig
 from knapformer.models.executor import LocalExecutor, TokenExecutor, local_positions
 from knapformer.models.layers import RMSNorm, apply_rope, merge_streams, modulate, split_streams, timestep_embedding
 
-__all__ = ["MMDiTConfig", "MMDiT", "TokenMeta"]
+__all__ = ["MMDiTConfig", "MMDiT", "TokenMeta", "token_meta"]
 
 
 @dataclass
@@ -159,10 +159,10 @@ class MMDiT(nn.Module):
         c_SD, txt_all = ex.gather_sequences(c_local, txt_lens.to(torch.int64))
         # 2. input projections by stream on local tokens, then route
         seq_l, pos_l = local_positions(seq_lens, x_TI.device)
-        meta_l = _meta(seq_l, pos_l, txt_lens.to(x_TI.device))
-        h = ex.route(_linear_by_stream(x_TI, meta_l, self.txt_in, self.img_in))
+        meta_l = token_meta(seq_l, pos_l, txt_lens.to(x_TI.device))
+        h = ex.route(_linear_by_stream(x_TI, meta_l, self.txt_in, self.img_in), seq_lens=seq_lens)
         seq_id, pos = ex.routed_positions(h.device)
-        meta = _meta(seq_id, pos, txt_all)
+        meta = token_meta(seq_id, pos, txt_all)
         # 3. blocks
         for block in self.blocks:
             h = block(h, c_SD, meta, ex)
@@ -171,7 +171,8 @@ class MMDiT(nn.Module):
         return ex.reverse_route(self.proj_out(modulate(self.norm_out(h), shift, scale)))
 
 
-def _meta(seq_id: torch.Tensor, pos: torch.Tensor, txt_lens: torch.Tensor) -> TokenMeta:
+def token_meta(seq_id: torch.Tensor, pos: torch.Tensor, txt_lens: torch.Tensor) -> TokenMeta:
+    """Per-token stream membership from sequence ids, positions and per-sequence text lengths."""
     is_text = pos < txt_lens.index_select(0, seq_id)
     idx_txt, idx_img, inverse = split_streams(is_text)
     return TokenMeta(seq_id=seq_id, pos=pos, idx_txt=idx_txt, idx_img=idx_img, inverse=inverse)

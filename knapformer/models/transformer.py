@@ -58,7 +58,7 @@ class Transformer(nn.Module):
         self, x_TI: torch.Tensor, seq_lens: Sequence[int], executor: TokenExecutor | None = None
     ) -> torch.Tensor:
         ex = executor if executor is not None else LocalExecutor(seq_lens)
-        h = ex.route(self.inp(x_TI))  # route after the input projection
+        h = ex.route(self.inp(x_TI), seq_lens=seq_lens)  # route after the input projection
         _, pos = ex.routed_positions(h.device)
         for block in self.blocks:
             h = block(h, pos, ex)

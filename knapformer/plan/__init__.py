@@ -1,7 +1,7 @@
 """Planning: pure Python + numpy, no torch.distributed, no devices.
 
 Main API: :func:`plan_sequences` (lengths per rank + layout + cost model -> :class:`Plan`),
-:class:`PlanProblem`, the solver registry :data:`SOLVERS`.
+:class:`PlanProblem`, :class:`SolverOptions`, the solver registry :data:`SOLVERS`.
 """
 
 from __future__ import annotations
@@ -9,21 +9,27 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from knapformer.layout import BagLayout
-from knapformer.plan.plan import Plan, build_plan, chunk_table
-from knapformer.plan.problem import PlanProblem, validate_seq_lens
+from knapformer.plan.plan import InvalidPlanError, Plan, RankFeatures, build_plan, chunk_table, rank_features
+from knapformer.plan.problem import PlanProblem, SolverOptions, validate_seq_lens
+from knapformer.plan.seqindex import SeqIndex
 from knapformer.plan.solvers import DEFAULT_SOLVER, SOLVERS, SolverInfo, get_solver
 from knapformer.workload import WorkloadModel
 
 __all__ = [
     "DEFAULT_SOLVER",
     "SOLVERS",
+    "InvalidPlanError",
     "Plan",
     "PlanProblem",
+    "RankFeatures",
+    "SeqIndex",
     "SolverInfo",
+    "SolverOptions",
     "build_plan",
     "chunk_table",
     "get_solver",
     "plan_sequences",
+    "rank_features",
     "validate_seq_lens",
 ]
 
@@ -37,14 +43,19 @@ def plan_sequences(
     max_tokens_per_rank: int | None = None,
     rank_speed: Sequence[float] | None = None,
     time_budget_s: float | None = None,
+    options: SolverOptions | None = None,
 ) -> Plan:
-    """Plan one step for one balancing group. Deterministic for identical input."""
+    """Plan one step for one balancing group. Deterministic for identical input.
+
+    ``time_budget_s`` is for solvers that declare ``takes_time_budget`` (others refuse it);
+    ``options`` tunes the solvers' iteration counts and tie-breaking."""
     info = get_solver(solver)
     problem = PlanProblem(
         seq_lens=seq_lens,
         layout=layout,
         model=model,
         max_tokens_per_rank=max_tokens_per_rank,
-        rank_speed=None if rank_speed is None else tuple(rank_speed),
+        rank_speed=rank_speed,
+        options=options if options is not None else SolverOptions(),
     )
     return info(problem, time_budget_s=time_budget_s)

@@ -2,7 +2,8 @@
 
 A ``PlanProblem`` is validated once at the boundary (bad user input raises ``ValueError``
 naming the culprit) and then exposes flat numpy arrays every solver shares. Sequences are
-numbered globally in rank-major order: sequence ``g`` is ``(src_rank[g], seq_index[g])``.
+numbered globally in rank-major order (:class:`~knapformer.plan.seqindex.SeqIndex`): sequence
+``g`` is ``(src_rank[g], seq_index[g])``.
 
 Legend: ``n`` sequences, ``B`` bags, ``S`` ranks in the group.
 """
@@ -17,37 +18,90 @@ from functools import cached_property
 import numpy as np
 
 from knapformer.layout import BagLayout, parse_layout
+from knapformer.plan.seqindex import SeqIndex
 from knapformer.workload import WorkloadModel
 
-__all__ = ["PlanProblem", "validate_seq_lens"]
+__all__ = ["MAX_SEQ_LEN", "MAX_TOTAL_TOKENS", "PlanProblem", "SolverOptions", "sum_by", "validate_seq_lens"]
+
+MAX_SEQ_LEN = 2**31 - 1
+"""Longest sequence accepted: attention kernels index tokens with int32 ``cu_seqlens``."""
+MAX_TOTAL_TOKENS = 2**53
+"""Most tokens one group may hold in a step: costs are float64, exact for integers below this."""
 
 
-def validate_seq_lens(seq_lens: object, num_ranks: int | None = None) -> tuple[tuple[int, ...], ...]:
-    """Check ``[[len, ...] per rank]`` and return it as tuples of ints; errors name the entry."""
+def _is_int(v: object) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def validate_seq_lens(
+    seq_lens: object, num_ranks: int | None = None, *, name: str = "seq_lens"
+) -> tuple[tuple[int, ...], ...]:
+    """Check ``[[len, ...] per rank]`` and return it as tuples of ints; errors name the entry
+    (as ``name[r][i]``). Lengths are positive ints (never bools) of at most :data:`MAX_SEQ_LEN`
+    tokens, and all of them together at most :data:`MAX_TOTAL_TOKENS`."""
     if not isinstance(seq_lens, Sequence) or isinstance(seq_lens, (str, bytes)):
-        raise ValueError(f"seq_lens must be a list of per-rank lists, got {type(seq_lens).__name__}")
+        raise ValueError(f"{name} must be a list of per-rank lists, got {type(seq_lens).__name__}")
     out = []
+    total = 0
     for r, lens in enumerate(seq_lens):
-        if isinstance(lens, (list, tuple, np.ndarray)):  # fast path: a clean integer row
-            arr = np.asarray(lens)
-            if arr.ndim == 1 and (arr.size == 0 or (arr.dtype.kind in "iu" and arr.min() > 0)):
-                out.append(tuple(arr.tolist()))
-                continue
         if isinstance(lens, np.ndarray):
+            if lens.ndim != 1:
+                raise ValueError(f"{name}[{r}] must be a 1-D list of lengths, got an array of shape {lens.shape}")
+            if lens.dtype.kind not in "iu" and lens.size:
+                raise ValueError(f"{name}[{r}] has dtype {lens.dtype}; lengths must be integers")
             lens = lens.tolist()
         if not isinstance(lens, Sequence) or isinstance(lens, (str, bytes)):
-            raise ValueError(f"seq_lens[{r}] must be a list of lengths, got {type(lens).__name__}")
-        row = []
-        for i, v in enumerate(lens):
-            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
-                raise ValueError(f"seq_lens[{r}][{i}] = {v!r} is not an integer")
-            if v <= 0:
-                raise ValueError(f"seq_lens[{r}][{i}] = {v} must be a positive length")
-            row.append(int(v))
-        out.append(tuple(row))
+            raise ValueError(f"{name}[{r}] must be a list of lengths, got {type(lens).__name__}")
+        row = tuple(lens)
+        if not all(type(v) is int and 0 < v <= MAX_SEQ_LEN for v in row):  # fast path: clean Python ints
+            row = tuple(_checked_length(v, f"{name}[{r}][{i}]") for i, v in enumerate(row))
+        total += sum(row)
+        out.append(row)
+    if total > MAX_TOTAL_TOKENS:
+        raise ValueError(f"{name} holds {total} tokens in all, more than the {MAX_TOTAL_TOKENS} one group can plan")
     if num_ranks is not None and len(out) != num_ranks:
-        raise ValueError(f"seq_lens has {len(out)} ranks but the bag layout's group has {num_ranks}")
+        raise ValueError(f"{name} has {len(out)} ranks but the bag layout's group has {num_ranks}")
     return tuple(out)
+
+
+def _checked_length(v: object, where: str) -> int:
+    if not _is_int(v):
+        raise ValueError(f"{where} = {v!r} is not an integer")
+    if v <= 0:
+        raise ValueError(f"{where} = {v} must be a positive length")
+    if v > MAX_SEQ_LEN:
+        raise ValueError(f"{where} = {v} is longer than the {MAX_SEQ_LEN} tokens a sequence may have")
+    return int(v)
+
+
+def sum_by(index: np.ndarray, weights: np.ndarray, n: int) -> np.ndarray:
+    """(n,) float64 sums of ``weights`` grouped by ``index`` (``np.bincount`` returns int64
+    for empty input, which then silently truncates or overflows float costs written into it)."""
+    return np.bincount(index, weights=weights, minlength=n).astype(np.float64, copy=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SolverOptions:
+    """Typed knobs of the solvers (each solver reads the ones it knows; defaults are tuned)."""
+
+    max_iters: int | None = None
+    """Local-search iterations per start; None = the solver's default (grows with the bags)."""
+    stop_gap: float | None = None
+    """Stop improving once makespan ≤ lower bound × (1 + stop_gap); None = the solver's default."""
+    tie_tolerance: float = 1e-4
+    """Plans within this relative makespan count as tied; the one moving fewer tokens wins."""
+    bnb_nodes: int = 20_000
+    """Node budget of the branch and bound on small inputs (a count, not a clock: all ranks agree)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_iters", "bnb_nodes"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or v < 0):
+                raise ValueError(f"SolverOptions.{name} must be an int >= 0, got {v!r}")
+        for name in ("stop_gap", "tie_tolerance"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"SolverOptions.{name} must be a finite number >= 0, got {v!r}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,24 +118,22 @@ class PlanProblem:
     """Memory cap: no rank may hold more routed tokens. None = unlimited."""
     rank_speed: tuple[float, ...] | None = None
     """Relative throughput per rank (work/speed = time). None = all 1.0."""
-    extra: dict = field(default_factory=dict)
-    """Solver-specific knobs (e.g. ``max_iters``); ignored by solvers that do not know them."""
+    options: SolverOptions = field(default_factory=SolverOptions)
+    """Solver knobs (iteration counts, tie tolerance)."""
 
     def __post_init__(self) -> None:
         layout = parse_layout(self.layout)
         object.__setattr__(self, "layout", layout)
         object.__setattr__(self, "seq_lens", validate_seq_lens(self.seq_lens, layout.group_size))
+        if not isinstance(self.model, WorkloadModel):
+            raise TypeError(f"model must be a WorkloadModel, got {type(self.model).__name__}")
+        if not isinstance(self.options, SolverOptions):
+            raise TypeError(f"options must be SolverOptions, got {type(self.options).__name__}")
         cap = self.max_tokens_per_rank
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, np.integer)) or cap <= 0):
+        if cap is not None and (not _is_int(cap) or cap <= 0):
             raise ValueError(f"max_tokens_per_rank must be a positive int, got {cap!r}")
         if self.rank_speed is not None:
-            speed = tuple(float(s) for s in self.rank_speed)
-            if len(speed) != layout.group_size:
-                raise ValueError(f"rank_speed has {len(speed)} entries for {layout.group_size} ranks")
-            bad = [i for i, s in enumerate(speed) if not (math.isfinite(s) and s > 0)]
-            if bad:
-                raise ValueError(f"rank_speed[{bad[0]}] = {speed[bad[0]]} must be finite and > 0")
-            object.__setattr__(self, "rank_speed", speed)
+            object.__setattr__(self, "rank_speed", validate_rank_speed(self.rank_speed, layout.group_size))
 
     # -- sequences ------------------------------------------------------------------------
     @property
@@ -89,30 +141,33 @@ class PlanProblem:
         return self.layout.group_size
 
     @cached_property
+    def index(self) -> SeqIndex:
+        """Global sequence numbering (shared with the plan built from this problem)."""
+        return SeqIndex(self.seq_lens)
+
+    @property
     def lengths(self) -> np.ndarray:
         """(n,) int64 lengths in global (rank-major) order."""
-        flat = [v for row in self.seq_lens for v in row]
-        return np.asarray(flat, dtype=np.int64)
+        return self.index.lengths
 
-    @cached_property
+    @property
     def src_rank(self) -> np.ndarray:
         """(n,) source rank of each sequence."""
-        counts = [len(row) for row in self.seq_lens]
-        return np.repeat(np.arange(self.num_ranks, dtype=np.int64), counts)
+        return self.index.src_rank
 
-    @cached_property
+    @property
     def seq_index(self) -> np.ndarray:
         """(n,) index of each sequence on its source rank."""
-        return np.concatenate([np.arange(len(r), dtype=np.int64) for r in self.seq_lens] or [np.zeros(0, np.int64)])
+        return self.index.seq_index
 
     @cached_property
     def work(self) -> np.ndarray:
-        """(n,) cost of each whole sequence."""
-        return self.model.cost(self.lengths)
+        """(n,) float64 cost of each whole sequence."""
+        return np.asarray(self.model.cost(self.lengths), dtype=np.float64)
 
     @property
     def num_seqs(self) -> int:
-        return int(self.lengths.shape[0])
+        return self.index.num_seqs
 
     # -- ranks and bags ----------------------------------------------------------------------
     @cached_property
@@ -138,13 +193,21 @@ class PlanProblem:
         return np.asarray([len(b) * self.speed[list(b)].min() for b in self.bags])
 
     @cached_property
+    def bag_classes(self) -> tuple[tuple[int, float, tuple[int, ...]], ...]:
+        """Interchangeable bags for the fluid objective: ``(size, capacity, bag ids)``, sorted
+        by size then capacity. The one place bags are grouped (solvers, heaps, search)."""
+        classes: dict[tuple[int, float], list[int]] = {}
+        for b in range(len(self.bags)):
+            classes.setdefault((int(self.bag_size[b]), float(self.bag_capacity[b])), []).append(b)
+        return tuple((k, c, tuple(ids)) for (k, c), ids in sorted(classes.items()))
+
+    @cached_property
     def bag_class(self) -> tuple[np.ndarray, int]:
-        """(B,) class id of each bag (same size and capacity: interchangeable for the fluid
-        objective) and the number of classes."""
-        keys = np.stack([self.bag_size.astype(np.float64), self.bag_capacity], axis=1)
-        _, inv = np.unique(keys, axis=0, return_inverse=True)
-        inv = inv.reshape(-1)
-        return inv, int(inv.max()) + 1
+        """(B,) class id of each bag (index into :attr:`bag_classes`) and the number of classes."""
+        out = np.empty(len(self.bags), dtype=np.int64)
+        for c, (_, _, ids) in enumerate(self.bag_classes):
+            out[list(ids)] = c
+        return out, len(self.bag_classes)
 
     @cached_property
     def bag_of_rank(self) -> np.ndarray:
@@ -154,20 +217,11 @@ class PlanProblem:
             out[list(ranks)] = b
         return out
 
-    @cached_property
-    def bag_rank_matrix(self) -> np.ndarray:
-        """(B, max bag size) ranks of each bag, padded with -1."""
-        mat = np.full((len(self.bags), self.layout.max_bag_size), -1, dtype=np.int64)
-        for b, ranks in enumerate(self.bags):
-            mat[b, : len(ranks)] = ranks
-        return mat
-
     # -- baselines ---------------------------------------------------------------------------
     @cached_property
     def time_before(self) -> np.ndarray:
         """(S,) per-rank time when every rank processes its own sequences alone."""
-        work = np.bincount(self.src_rank, weights=self.work, minlength=self.num_ranks)
-        return work / self.speed
+        return sum_by(self.src_rank, self.work, self.num_ranks) / self.speed
 
     @cached_property
     def lower_bound(self) -> float:
@@ -203,3 +257,19 @@ class PlanProblem:
                 f"{int(self.lengths[g])} tokens: even the largest bag ({kmax} ranks) puts more than "
                 f"max_tokens_per_rank={cap} on one rank"
             )
+
+
+def validate_rank_speed(rank_speed: object, num_ranks: int) -> tuple[float, ...]:
+    """Per-rank relative speeds: ``num_ranks`` finite numbers > 0 (errors name the entry)."""
+    if not isinstance(rank_speed, Sequence) or isinstance(rank_speed, (str, bytes)):
+        raise ValueError(f"rank_speed must be a list of numbers, got {type(rank_speed).__name__}")
+    out = []
+    for i, s in enumerate(rank_speed):
+        if isinstance(s, (bool, np.bool_)) or not isinstance(s, (int, float, np.integer, np.floating)):
+            raise ValueError(f"rank_speed[{i}] = {s!r} is not a number")
+        if not (math.isfinite(s) and s > 0):
+            raise ValueError(f"rank_speed[{i}] = {float(s)} must be finite and > 0")
+        out.append(float(s))
+    if len(out) != num_ranks:
+        raise ValueError(f"rank_speed has {len(out)} entries for {num_ranks} ranks")
+    return tuple(out)

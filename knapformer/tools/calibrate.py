@@ -27,13 +27,14 @@ from pathlib import Path
 
 import torch
 
-from knapformer.models import MMDiT, MMDiTConfig, Transformer, TransformerConfig, preset
-from knapformer.models.executor import LocalExecutor, local_positions
-from knapformer.models.mmdit import _meta
+from knapformer.tools.calibrate_args import add_args
+from knapformer.tools.cli_support import run_tool
+from knapformer.tools.families import family_for
+from knapformer.tools.presets import preset
 from knapformer.workload import WorkloadModel
 from knapformer.workload_fit import Fit, Timing, check_lengths, fit_cost, fit_paper_style
 
-__all__ = ["calibrate", "main", "DEFAULT_FIT", "DEFAULT_HOLDOUT"]
+__all__ = ["DEFAULT_FIT", "DEFAULT_HOLDOUT", "add_args", "calibrate", "main", "run"]
 
 DEFAULT_FIT = [16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048]
 DEFAULT_HOLDOUT = [48, 96, 192, 384, 640, 1280]
@@ -94,58 +95,6 @@ class _Timer:
         return (time.thread_time() - t) / inner
 
 
-def _block_runners(cfg, device, dtype, causal: bool):
-    """(name, layer count, fn(seq_lens, backward) -> callable) for each block type."""
-    torch.manual_seed(0)
-    if isinstance(cfg, TransformerConfig):
-        from dataclasses import replace
-
-        model = Transformer(replace(cfg, causal=causal)).to(device, dtype)
-        block = model.blocks[0]
-
-        def make(seq_lens, backward):
-            ex = LocalExecutor(seq_lens)
-            x = torch.randn(sum(seq_lens), cfg.dim, device=device, dtype=dtype, requires_grad=backward)
-            _, pos = local_positions(seq_lens, device)
-            return _runner(lambda: block(x, pos, ex), backward)
-
-        return [("transformer", cfg.num_layers, make)]
-    model = MMDiT(cfg).to(device, dtype)
-
-    def make_for(block):
-        def make(seq_lens, backward):
-            ex = LocalExecutor(seq_lens)
-            x = torch.randn(sum(seq_lens), cfg.dim, device=device, dtype=dtype, requires_grad=backward)
-            c = torch.randn(len(seq_lens), cfg.dim, device=device, dtype=dtype)
-            seq, pos = local_positions(seq_lens, device)
-            txt = torch.tensor([n // 8 for n in seq_lens], dtype=torch.int64, device=device)
-            meta = _meta(seq, pos, txt)
-            return _runner(lambda: block(x, c, meta, ex), backward)
-
-        return make
-
-    return [
-        ("double", cfg.num_double, make_for(model.double_blocks[0])),
-        ("single", cfg.num_single, make_for(model.single_blocks[0])),
-    ]
-
-
-def _runner(forward, backward: bool):
-    if not backward:
-
-        def run():
-            with torch.no_grad():
-                forward()
-
-        return run
-
-    def run():
-        out = forward()
-        out.backward(torch.ones_like(out))
-
-    return run
-
-
 def calibrate(
     model_name: str,
     *,
@@ -162,12 +111,13 @@ def calibrate(
 ) -> tuple[WorkloadModel, dict]:
     """Measure, fit and evaluate; returns the profile and a report dict."""
     cfg = preset(model_name)
-    if not isinstance(cfg, (MMDiTConfig, TransformerConfig)):
-        raise ValueError(f"calibrate times the reference models only; {model_name!r} is not one of them")
+    family = family_for(cfg)
     if mode not in ("fwd", "fwd+bwd"):
         raise ValueError(f"mode must be 'fwd' or 'fwd+bwd', got {mode!r}")
-    if causal and isinstance(cfg, MMDiTConfig):
-        raise ValueError("--causal applies to the transformer presets only (MMDiT attention is bidirectional)")
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
     lengths = check_lengths(list(lengths) if lengths is not None else DEFAULT_FIT, "lengths")
     holdout = check_lengths(list(holdout) if holdout is not None else DEFAULT_HOLDOUT, "holdout")
     fit_mixes = [check_lengths(list(m), "fit mix") for m in (fit_mixes if fit_mixes is not None else FIT_MIXES)]
@@ -181,18 +131,19 @@ def calibrate(
         # thread CPU time sees only this thread: time one-threaded, as each simulator rank runs
         torch.set_num_threads(1)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    runners = family.blocks(cfg, dev, dtype, causal)  # raises for families without block timing
     fit_batches = [[n] for n in lengths] + fit_mixes
     held_batches = [[n] for n in holdout] + holdout_mixes
     check_memory(fit_batches + held_batches, cfg.dim, dev)
     timer = _Timer(dev)
     backward = mode == "fwd+bwd"
     per_block = {}
-    for name, count, make in _block_runners(cfg, dev, dtype, causal):
+    for name, count, make in runners:
         if count == 0:
             continue
         # round-robin over batches, so slow drift of the machine hits every batch alike
         batches = fit_batches + held_batches
-        inner = [timer.loops_for(make(b, backward)) for b in batches]
+        inner = [timer.loops_for(make(b, backward), warmup=warmup) for b in batches]
         samples: list[list[float]] = [[] for _ in batches]
         for r in range(repeats):
             for i, b in enumerate(batches):
@@ -341,17 +292,7 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from knapformer.cli import _add_calibrate_args
-
-    p = argparse.ArgumentParser(prog="knapformer calibrate", description=__doc__.splitlines()[0])
-    _add_calibrate_args(p)
-    return p
-
-
-def run_cli(args: argparse.Namespace) -> int:
-    if args.repeats < 1:
-        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+def run(args: argparse.Namespace) -> int:
     profile, report = calibrate(
         args.model,
         device=args.device,
@@ -360,6 +301,7 @@ def run_cli(args: argparse.Namespace) -> int:
         lengths=args.lengths,
         holdout=args.holdout,
         repeats=args.repeats,
+        warmup=args.warmup,
         progress=not args.no_progress,
     )
     profile.save(args.output)
@@ -376,9 +318,7 @@ def run_cli(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from knapformer.cli import run_tool
-
-    return run_tool("calibrate", build_parser(), run_cli, argv)
+    return run_tool("calibrate", add_args, run, argv, description=__doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from knapformer.data import MIXES, sample_seq_lens
 from knapformer.plan import plan_sequences
+from knapformer.tools.cli_support import run_tool
 from knapformer.tools.plots import plot_rank_work
 from knapformer.workload import WorkloadModel
 
@@ -56,13 +58,19 @@ def run_demo(out: Path, *, seed: int = 0, d_model: int = 3072) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="runs/demo", help="output folder")
-    ap.add_argument("--seed", type=int, default=0, help="data seed")
-    args = ap.parse_args()
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="runs/plan-demo", help="output folder")
+    p.add_argument("--seed", type=int, default=0, help="data seed")
+
+
+def run(args: argparse.Namespace) -> int:
     run_demo(Path(args.out), seed=args.seed)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_tool("demo", add_args, run, argv, description=__doc__.splitlines()[0])
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

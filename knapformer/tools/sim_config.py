@@ -5,9 +5,15 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from knapformer.config import BalancerConfig
 from knapformer.data.codes import mix_num_ranks, resolve_mix
+from knapformer.layout import parse_layout
+from knapformer.plan import DEFAULT_SOLVER
+from knapformer.tools.cli_support import add_balancer_args, positive_float, positive_int
+from knapformer.tools.presets import preset
+from knapformer.workload import WorkloadModel
 
-__all__ = ["DEMO_MIX", "SimConfig", "build_parser", "config_from_args"]
+__all__ = ["DEMO_MIX", "SimConfig", "add_args", "config_from_args"]
 
 DEMO_MIX = "g1b8i256f1s0,g1b1i1024f3s0"
 """Two ranks: 8 small images vs one 1024² three-frame clip (CPU demo, with ``--scale 2``)."""
@@ -26,7 +32,7 @@ class SimConfig:
     bags: str | None = None
     """Bag layout of the balanced run; None = one bag of all ranks (g{ranks}n1)."""
     model: str = "mmdit-small"
-    """Model preset (see knapformer.models.PRESETS)."""
+    """Model preset (see ``knapformer.tools.presets``)."""
     steps: int = 6
     """Measured steps per run."""
     warmup: int = 2
@@ -36,7 +42,17 @@ class SimConfig:
     """γ of the paper cost form used for planning (ignored with a profile; calibrated CPU
     profiles of the tiny presets measure γ ≈ 0.5–0.8)."""
     profile: str | None = None
-    """Workload profile JSON (from the calibrator) instead of γ."""
+    """Workload profile JSON (from the calibrator) the planner uses instead of γ."""
+    solver: str = DEFAULT_SOLVER
+    """Planner of the balanced run."""
+    max_tokens_per_rank: int | None = None
+    """Memory cap of the balanced run (routed tokens per rank)."""
+    rank_speed: tuple[float, ...] | None = None
+    """Relative speed of each rank of a balancing group (the planner gives slow ranks less)."""
+    attn_backend: str = "auto"
+    """Varlen attention kernel of both runs."""
+    debug: bool = False
+    """Per-layer cross-rank checks in the balanced run."""
     device: str = "cpu"
     """cpu (gloo) or cuda (NCCL)."""
     checkpointing: bool = False
@@ -67,23 +83,51 @@ class SimConfig:
                 f"mix {self.mix!r} describes {mix_num_ranks(codes)} ranks; {self.ranks} ranks is not a multiple"
             )
 
+    def layout(self, world: int) -> str:
+        """The balanced run's layout for ``world`` ranks (default: one bag of all of them)."""
+        return self.bags or f"g{world}n1"
 
-def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    p = p or argparse.ArgumentParser(prog="knapformer simulate", description=__doc__.splitlines()[0])
+    def balancer_config(self, world: int) -> BalancerConfig:
+        """The balanced run's :class:`BalancerConfig` for ``world`` ranks (validates every
+        setting, and that the layout tiles the world, before any process starts)."""
+        mcfg = preset(self.model)
+        layout = parse_layout(self.layout(world))
+        layout.num_replicas(world)  # raises if the layout's group does not tile the world
+        if self.profile:
+            cost = WorkloadModel.from_profile(self.profile)
+            if cost.d_model != mcfg.dim:
+                raise ValueError(f"profile d_model {cost.d_model} does not match model {self.model!r} (dim {mcfg.dim})")
+        else:
+            cost = WorkloadModel(d_model=mcfg.dim, gamma=self.gamma, num_layers=mcfg.num_layers)
+        return BalancerConfig(
+            layout=layout,
+            cost=cost,
+            solver=self.solver,
+            max_tokens_per_rank=self.max_tokens_per_rank,
+            rank_speed=self.rank_speed,
+            attn_backend=self.attn_backend,
+            debug=self.debug,
+        )
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
     d = SimConfig()
-    p.add_argument("--ranks", type=int, default=d.ranks, help="ranks to spawn on this machine (not under torchrun)")
+    p.add_argument(
+        "--ranks", type=positive_int, default=d.ranks, help="ranks to spawn on this machine (not under torchrun)"
+    )
     p.add_argument("--mix", default=d.mix, help="mix name or data codes g{G}b{B}i{R}f{F}s{S},...")
-    p.add_argument("--scale", type=int, default=d.scale, help="resolution divisor for CPU runs")
-    p.add_argument("--bags", default=d.bags, help="bag layout of the balanced run (default: one bag of all ranks)")
-    p.add_argument("--model", default=d.model, help="model preset: mmdit-tiny, mmdit-small, transformer-tiny, flux")
-    p.add_argument("--steps", type=int, default=d.steps, help="measured steps")
+    p.add_argument("--scale", type=positive_int, default=d.scale, help="resolution divisor for CPU runs")
+    p.add_argument(
+        "--model", default=d.model, help="model preset: mmdit-tiny, mmdit-small, transformer-tiny, flux, ..."
+    )
+    p.add_argument("--steps", type=positive_int, default=d.steps, help="measured steps")
     p.add_argument("--warmup", type=int, default=d.warmup, help="warm-up steps (not measured)")
     p.add_argument("--seed", type=int, default=d.seed, help="data and weight seed")
-    p.add_argument("--gamma", type=float, default=d.gamma, help="γ of the planning cost model")
-    p.add_argument("--profile", default=None, help="workload profile JSON (overrides --gamma)")
     p.add_argument("--device", default=d.device, choices=["cpu", "cuda"], help="cpu (gloo) or cuda (NCCL)")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing per block")
-    p.add_argument("--peak-tflops", type=float, default=None, help="peak TFLOP/s per rank for HFU (default: probe)")
+    p.add_argument(
+        "--peak-tflops", type=positive_float, default=None, help="peak TFLOP/s per rank for HFU (default: probe)"
+    )
     p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])
     p.add_argument("--no-progress", action="store_true", help="no progress line")
     p.add_argument("--no-pin", action="store_true", help="do not pin CPU ranks to cores")
@@ -92,7 +136,9 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     )
     p.add_argument("--report", default=None, help="write the JSON report here")
     p.add_argument("--plot-dir", default=None, help="write PNG charts here")
-    return p
+    add_balancer_args(
+        p, bags_default=d.bags, bags_help="bag layout of the balanced run (default: one bag of all ranks)"
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -107,6 +153,11 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         seed=args.seed,
         gamma=args.gamma,
         profile=args.profile,
+        solver=args.solver,
+        max_tokens_per_rank=args.max_tokens,
+        rank_speed=args.rank_speed,
+        attn_backend=args.attn_backend,
+        debug=args.debug,
         device=args.device,
         checkpointing=args.checkpointing,
         peak_tflops=args.peak_tflops,

@@ -29,11 +29,14 @@ import torch
 import torch.distributed as dist
 
 from knapformer.data.batches import make_batch
-from knapformer.models import DiffusersFluxConfig, LocalExecutor, MMDiT, build_model, preset
-from knapformer.tools.sim_config import DEMO_MIX, SimConfig, build_parser, config_from_args
+from knapformer.models import LocalExecutor
+from knapformer.tools.cli_support import run_tool
+from knapformer.tools.families import family_for
+from knapformer.tools.presets import preset
+from knapformer.tools.sim_config import DEMO_MIX, SimConfig, add_args, config_from_args
 from knapformer.workload import WorkloadModel
 
-__all__ = ["SimConfig", "simulate", "main", "DEMO_MIX"]
+__all__ = ["DEMO_MIX", "SimConfig", "add_args", "main", "run", "simulate"]
 
 
 def _probe_peak(device: torch.device, dtype: torch.dtype) -> float:
@@ -80,33 +83,6 @@ class _BusyTimer:
             self.seconds = time.thread_time() - self.t0
 
 
-def _flux_inputs(batch, mcfg):
-    """Flux samples of a batch and the targets of their image rows, built once per step."""
-    from knapformer.integrations.diffusers import samples_from_batch
-
-    samples = samples_from_batch(batch, mcfg, seed=0)
-    rows, start = [], 0
-    for n, t in zip(batch.seq_lens, batch.txt_lens.tolist()):
-        rows.append(batch.target[start + t : start + n])
-        start += n
-    target = torch.cat(rows) if rows else batch.target[:0]
-    return samples, target
-
-
-def _forward(model, batch, executor, flux=None):
-    """(output, target) of one forward; ``flux`` = :func:`_flux_inputs` for diffusers models."""
-    core = getattr(model, "module", model)
-    if flux is not None:
-        from knapformer.integrations.diffusers import packed_flux_forward
-
-        samples, target = flux
-        bal = executor if not isinstance(executor, LocalExecutor) else None
-        return packed_flux_forward(core, samples, balancer=bal).flat, target  # loss on image rows
-    if isinstance(core, MMDiT):
-        return model(batch.x, batch.seq_lens, batch.txt_lens, batch.t, batch.vec, executor=executor), batch.target
-    return model(batch.x, batch.seq_lens, executor=executor), batch.target
-
-
 def _sync_grads(model: torch.nn.Module, world: int) -> None:
     """Average gradients over ranks: plain data parallel with one flat all-reduce (what DDP's
     bucketing does), identical for both runs."""
@@ -135,22 +111,16 @@ def _worker(rank: int, world: int, cfg: SimConfig) -> dict:
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
     dtype = getattr(torch, cfg.dtype)
     mcfg = preset(cfg.model)
-    is_flux = isinstance(mcfg, DiffusersFluxConfig)
+    family = family_for(mcfg)
     torch.manual_seed(cfg.seed)
-    base = build_model(mcfg).to(device=device)
+    base = family.build(mcfg).to(device=device)
     if dtype != torch.float32:
         base = base.to(dtype=dtype)
     if cfg.checkpointing:
         apply_checkpointing(base)
     models = {"unbalanced": base, "balanced": copy.deepcopy(base)}
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
-    cost = (
-        WorkloadModel.from_profile(cfg.profile)
-        if cfg.profile
-        else WorkloadModel(d_model=mcfg.dim, gamma=cfg.gamma, num_layers=mcfg.num_layers)
-    )
-    bags = cfg.bags or f"g{world}n1"
-    bal = SequenceBalancer(bags, cost)
+    bal = SequenceBalancer(cfg.balancer_config(world))
     flops_model = WorkloadModel(d_model=mcfg.dim, num_layers=mcfg.num_layers)
     peak = cfg.peak_tflops * 1e12 if cfg.peak_tflops else _probe_peak(device, dtype)
     records = []
@@ -172,23 +142,24 @@ def _worker(rank: int, world: int, cfg: SimConfig) -> dict:
         counts = torch.tensor([batch.num_tokens], dtype=torch.int64, device=device)
         dist.all_reduce(counts)
         global_tokens = int(counts)
-        flux = _flux_inputs(batch, mcfg) if is_flux else None
+        inputs = family.inputs(batch, mcfg)  # built once per step, used by both runs
         for mode in ("unbalanced", "balanced"):
             model, opt = models[mode], opts[mode]
             dist.barrier()
             _sync(device)
             wall0 = time.perf_counter()
+            plans_before = bal.num_plans
             plan_t = time.perf_counter()
             if mode == "balanced":
-                plan = bal.plan(batch.seq_lens)
+                plan = bal.plan(inputs.seq_lens)  # the one plan of the step
                 executor = bal
             else:
-                executor = LocalExecutor(batch.seq_lens)
+                executor = LocalExecutor(inputs.seq_lens)
             plan_s = time.perf_counter() - plan_t
             fb0 = time.perf_counter()
             with _BusyTimer(device) as busy:
-                out, target = _forward(model, batch, executor, flux)
-                loss = ((out.float() - target.float()) ** 2).sum() / global_tokens
+                out = family.forward(model, inputs, executor)
+                loss = ((out.float() - inputs.target.float()) ** 2).sum() / global_tokens
                 loss.backward()
             _sync(device)
             fb_wall = time.perf_counter() - fb0
@@ -209,6 +180,8 @@ def _worker(rank: int, world: int, cfg: SimConfig) -> dict:
                 "plan_s": plan_s,
                 "fwd_bwd_wall": fb_wall,
                 "tokens": batch.num_tokens,
+                "plans": bal.num_plans - plans_before,
+                "routed_tokens": sum(inputs.seq_lens) if mode == "unbalanced" else int(bal.spec.num_routed),
                 "flops": float(sum(flops_model.flops(n, recompute=cfg.checkpointing) for n in batch.seq_lens)),
             }
             if mode == "balanced":
@@ -258,6 +231,11 @@ def summarize(cfg: SimConfig, per_rank: list[dict]) -> dict:
             "plan_ms": 1e3 * statistics.mean(rows[(0, s)]["plan_s"] for s in steps),
             "fwd_bwd_wall_per_rank": [
                 statistics.mean(rows[(k, s)]["fwd_bwd_wall"] for s in steps) for k in range(world)
+            ],
+            # what the step did: plans made per rank per step, tokens each rank computed on
+            "plans_per_rank_step": max(rows[(k, s)].get("plans", 0) for k in range(world) for s in steps),
+            "routed_tokens_per_rank": [
+                statistics.mean(rows[(k, s)].get("routed_tokens", 0) for s in steps) for k in range(world)
             ],
         }
         if mode == "balanced":
@@ -338,19 +316,17 @@ def write_outputs(rep: dict, report_path: str | None, plot_dir: str | None) -> N
         print(f"wrote {plot_dir}/busy_per_rank.png and {plot_dir}/step_time.png")
 
 
-def check_config(cfg: SimConfig) -> None:
-    """Problems knowable before any process starts: unknown preset, mismatched profile."""
-    mcfg = preset(cfg.model)
-    if cfg.profile:
-        prof = WorkloadModel.from_profile(cfg.profile)
-        if prof.d_model != mcfg.dim:
-            raise ValueError(f"profile d_model {prof.d_model} does not match model {cfg.model!r} (dim {mcfg.dim})")
+def check_config(cfg: SimConfig, world: int | None = None) -> None:
+    """Problems knowable before any process starts: unknown preset, mismatched profile, a
+    layout that does not tile the world, any bad balancer setting."""
+    cfg.balancer_config(cfg.ranks if world is None else world)
 
 
 def simulate(cfg: SimConfig) -> dict:
     """Run the simulation on spawned ranks (or in this process under torchrun) -> report."""
-    check_config(cfg)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    check_config(cfg, int(os.environ["WORLD_SIZE"]) if under_torchrun else None)
+    if under_torchrun:
         backend = "nccl" if cfg.device == "cuda" else "gloo"
         if cfg.device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -371,7 +347,7 @@ def simulate(cfg: SimConfig) -> dict:
     return summarize(cfg, per_rank)
 
 
-def run_cli(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     rep = simulate(cfg)
     if int(os.environ.get("RANK", "0")) == 0:
@@ -381,9 +357,7 @@ def run_cli(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from knapformer.cli import run_tool
-
-    return run_tool("simulate", build_parser(), run_cli, argv)
+    return run_tool("simulate", add_args, run, argv, description=__doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

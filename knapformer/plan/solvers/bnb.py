@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from knapformer.plan.problem import PlanProblem
+from knapformer.plan.problem import PlanProblem, sum_by
 
 __all__ = ["branch_and_bound", "MAX_ITEMS"]
 
@@ -31,10 +31,10 @@ def branch_and_bound(problem: PlanProblem, incumbent: np.ndarray, *, max_nodes: 
     kap = problem.bag_capacity.tolist()
     size = problem.bag_size.tolist()
     cap = problem.max_tokens_per_rank
-    cls = [(size[b], kap[b]) for b in range(B)]
+    cls = problem.bag_class[0].tolist()  # interchangeable bags (same size and capacity)
     total_kap = sum(kap)
     suffix = np.concatenate([np.cumsum(np.asarray(w)[::-1])[::-1], [0.0]]).tolist()
-    inc_load = np.bincount(incumbent, weights=problem.work, minlength=B)
+    inc_load = sum_by(incumbent, problem.work, B)
     best = [float((inc_load / problem.bag_capacity).max())]
     best_assign: list[list[int] | None] = [None]
     floor = problem.lower_bound

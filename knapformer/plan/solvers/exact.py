@@ -5,8 +5,9 @@ Minimises the fluid makespan ``M`` with binary ``x[s, b]``::
     min M  s.t.  Σ_b x[s,b] = 1,   Σ_s work_s·x[s,b] ≤ capacity_b·M,   Σ_s len_s·x[s,b] ≤ cap·|b|
 
 Exponential in the worst case: for benchmarks and tests on small instances only. scipy is an
-optional dependency, imported here. Raises ``RuntimeError`` when optimality is not proven
-within ``time_budget_s`` (default 60 s).
+optional dependency, imported here (``ImportError`` without it). Raises ``TimeoutError`` when
+optimality is not proven within ``time_budget_s`` (default 60 s) and ``ValueError`` when the
+memory cap is infeasible.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import numpy as np
 
 from knapformer.plan.plan import Plan, build_plan
 from knapformer.plan.problem import PlanProblem
-from knapformer.plan.solvers.paper import _stamp
+from knapformer.plan.solvers.common import stamp
 
 __all__ = ["solve_exact"]
 
@@ -29,11 +30,11 @@ def solve_exact(problem: PlanProblem, *, time_budget_s: float | None = None) -> 
         from scipy.optimize import Bounds, LinearConstraint, milp
         from scipy.sparse import coo_matrix
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise RuntimeError("the 'exact' solver needs scipy: pip install scipy") from exc
+        raise ImportError("the 'exact' solver needs scipy: pip install scipy") from exc
     problem.check_capacity()
     n, B = problem.num_seqs, len(problem.bags)
     if n == 0:
-        return _stamp(build_plan(problem, np.zeros(0, dtype=np.int64), solver="exact"), t0)
+        return stamp(build_plan(problem, np.zeros(0, dtype=np.int64), solver="exact"), t0)
     nv = n * B + 1  # x[s, b] at s*B + b, then M
     scale = float(problem.work.max())
     w = problem.work / scale
@@ -73,8 +74,15 @@ def solve_exact(problem: PlanProblem, *, time_budget_s: float | None = None) -> 
         bounds=Bounds(np.zeros(nv), ub),
         options={"time_limit": float(time_budget_s or 60.0), "mip_rel_gap": 0.0},
     )
+    if res.status == 2:  # scipy.optimize.milp: the problem is infeasible
+        raise ValueError(
+            f"max_tokens_per_rank={problem.max_tokens_per_rank} is infeasible (proven by the exact solver)"
+        )
     if res.status != 0 or res.x is None:
-        raise RuntimeError(f"exact solver did not prove optimality: {res.message}")
+        raise TimeoutError(
+            f"exact solver did not prove optimality within {float(time_budget_s or 60.0):g} s ({res.message}); "
+            "give it a larger time_budget_s or use the default solver"
+        )
     x = res.x[:-1].reshape(n, B)
     seq_bag = np.argmax(x, axis=1).astype(np.int64)
-    return _stamp(build_plan(problem, seq_bag, solver="exact"), t0)
+    return stamp(build_plan(problem, seq_bag, solver="exact"), t0)

@@ -5,7 +5,7 @@ Starts (each polished by :func:`~knapformer.plan.solvers.refine.local_search`):
 - **LPT**: sequences by decreasing work, each to the bag where it would *finish* earliest
   (``(load + work) / capacity``), skipping bags that would break the memory cap — the classic
   rule for machines of different speeds (a k-rank bag is a k× faster machine). Above
-  ``_HEAP_ITEMS`` sequences only the largest and the smallest go through the heap loop; the
+  ``HEAP_ITEMS`` sequences only the largest and the smallest go through the heap loop; the
   middle is placed in vectorised rounds of batched LPT (:func:`_rounds`).
 - **home**: each bag keeps its own ranks' sequences (largest first) up to the fluid level; the
   overflow is inserted LPT-style. Few tokens move when the input is nearly balanced.
@@ -30,14 +30,16 @@ import time
 import numpy as np
 
 from knapformer.plan.plan import Plan, build_plan
-from knapformer.plan.problem import PlanProblem
+from knapformer.plan.problem import PlanProblem, sum_by
 from knapformer.plan.solvers.bnb import branch_and_bound
-from knapformer.plan.solvers.paper import _stamp, bag_classes, paper_assignment
-from knapformer.plan.solvers.refine import fits_cap, local_search, relabel_for_locality
+from knapformer.plan.solvers.common import fits_cap, stamp
+from knapformer.plan.solvers.fit import best_fit_decreasing, exhaustive_fit, home_fit
+from knapformer.plan.solvers.paper import paper_assignment
+from knapformer.plan.solvers.refine import local_search, relabel_for_locality
 
 __all__ = ["solve_lpt", "lpt_assignment", "home_assignment"]
 
-_HEAP_ITEMS = 8192  # beyond this many sequences, water-fill the middle ones
+HEAP_ITEMS = 8192  # beyond this many sequences, water-fill the middle ones
 
 
 def _insert(problem: PlanProblem, items: list[int], seq_bag: np.ndarray, load: np.ndarray, tok: np.ndarray) -> None:
@@ -46,7 +48,7 @@ def _insert(problem: PlanProblem, items: list[int], seq_bag: np.ndarray, load: n
         return
     work, lengths = problem.work.tolist(), problem.lengths.tolist()
     cap = problem.max_tokens_per_rank
-    classes = bag_classes(problem)
+    classes = problem.bag_classes
     heaps = []
     for _, _, ids in classes:
         h = [(float(load[b]), b) for b in ids]
@@ -103,7 +105,7 @@ def _rounds(problem: PlanProblem, items: np.ndarray, seq_bag: np.ndarray, load: 
         best = np.argsort(finish, kind="stable")[: chunk.size]
         target = slots_bag[best]
         seq_bag[chunk] = target
-        load += np.bincount(target, weights=w, minlength=len(kap))
+        load += sum_by(target, w, len(kap))
 
 
 def lpt_assignment(problem: PlanProblem) -> np.ndarray:
@@ -113,14 +115,14 @@ def lpt_assignment(problem: PlanProblem) -> np.ndarray:
     seq_bag = np.zeros(n, dtype=np.int64)
     order = np.argsort(-problem.work, kind="stable")
     load, tok = np.zeros(B), np.zeros(B, dtype=np.int64)
-    if n <= _HEAP_ITEMS or problem.max_tokens_per_rank is not None:
+    if n <= HEAP_ITEMS or problem.max_tokens_per_rank is not None:
         _insert(problem, order.tolist(), seq_bag, load, tok)
         return seq_bag
-    h = t = min(2 * B, _HEAP_ITEMS // 2)
+    h = t = min(2 * B, HEAP_ITEMS // 2)
     head, middle, tail = order[:h], order[h:-t], order[-t:]
     _insert(problem, head.tolist(), seq_bag, load, tok)
     _rounds(problem, middle, seq_bag, load)
-    tok[:] = np.bincount(seq_bag[order[:-t]], weights=problem.lengths[order[:-t]], minlength=B)
+    tok[:] = sum_by(seq_bag[order[:-t]], problem.lengths[order[:-t]], B)
     _insert(problem, tail.tolist(), seq_bag, load, tok)
     return seq_bag
 
@@ -144,56 +146,79 @@ def home_assignment(problem: PlanProblem) -> np.ndarray:
     keep = np.zeros(n, dtype=bool)
     keep[order] = keep_sorted
     seq_bag = np.where(keep, home, 0).astype(np.int64)
-    load = np.bincount(home[keep], weights=problem.work[keep], minlength=B)
-    tok = np.bincount(home[keep], weights=problem.lengths[keep], minlength=B).astype(np.int64)
+    load = sum_by(home[keep], problem.work[keep], B)
+    tok = sum_by(home[keep], problem.lengths[keep], B).astype(np.int64)
     spill = np.flatnonzero(~keep)
     spill = spill[np.argsort(-problem.work[spill], kind="stable")]
     _insert(problem, spill.tolist(), seq_bag, load, tok)
     return seq_bag
 
 
+def _cap_starts(problem: PlanProblem, *, have_start: bool) -> list[np.ndarray]:
+    """Token-only starts that meet the memory cap (see :mod:`.fit`); raises when none exists,
+    saying why."""
+    found = [a for a in (home_fit(problem), best_fit_decreasing(problem)) if a is not None]
+    if found or have_start:
+        return found
+    exact, proven = exhaustive_fit(problem)
+    if exact is not None:
+        return [exact]
+    cap = problem.max_tokens_per_rank
+    if proven:
+        raise ValueError(
+            f"max_tokens_per_rank={cap} is infeasible: an exhaustive search found no way to pack the "
+            f"{problem.num_seqs} sequences into bags of at most {cap} tokens per rank"
+        )
+    raise ValueError(
+        f"no plan found under max_tokens_per_rank={cap}: earliest-finish and best-fit-decreasing packing "
+        f"both failed for {problem.num_seqs} sequences (total {int(problem.lengths.sum())} tokens, room "
+        f"{cap * problem.num_ranks}); a cap that leaves more room will work"
+    )
+
+
 def solve_lpt(problem: PlanProblem, *, time_budget_s: float | None = None) -> Plan:
-    """Best of LPT / home / paper starts after local search (``time_budget_s`` unused: the
-    search is bounded by iteration counts so all ranks agree)."""
+    """Best of LPT / home / paper starts after local search (bounded by iteration counts,
+    not clocks, so all ranks agree; it takes no time budget and the registry refuses one)."""
     t0 = time.perf_counter()
     problem.check_capacity()
-    tol = float(problem.extra.get("tie_tolerance", 1e-4))
+    opts = problem.options
+    tol = opts.tie_tolerance
     candidates: list[Plan] = []
     starts: list[np.ndarray] = []
-    # above _HEAP_ITEMS sequences the home start's long local search costs more than it saves;
+    # above HEAP_ITEMS sequences the home start's long local search costs more than it saves;
     # locality then comes from relabelling interchangeable bags
-    makers = (lpt_assignment, home_assignment) if problem.num_seqs <= _HEAP_ITEMS else (lpt_assignment,)
+    makers = (lpt_assignment, home_assignment) if problem.num_seqs <= HEAP_ITEMS else (lpt_assignment,)
     for make in makers:
         try:
             starts.append(make(problem))
-        except ValueError:
-            if make is lpt_assignment and problem.max_tokens_per_rank is not None:
-                raise
-    ceiling = np.inf  # never worse than the paper's plan (checked up to _HEAP_ITEMS sequences)
+        except ValueError:  # earliest-finish insertion found no bag under the cap for a sequence
+            pass
+    if problem.max_tokens_per_rank is not None:
+        starts += _cap_starts(problem, have_start=bool(starts))
+    ceiling = np.inf  # never worse than the paper's plan (checked up to HEAP_ITEMS sequences)
     try:
-        if problem.num_seqs > _HEAP_ITEMS:
+        if problem.num_seqs > HEAP_ITEMS:
             raise ValueError("too many sequences to run the paper's rule within budget")
         paper_plan = build_plan(problem, paper_assignment(problem), solver="lpt")
         candidates.append(paper_plan)
         ceiling = paper_plan.makespan
     except ValueError:  # the paper's plan breaks the memory cap: not a candidate
         pass
-    iters = int(problem.extra.get("max_iters", len(problem.bags) + 100))
+    iters = opts.max_iters if opts.max_iters is not None else len(problem.bags) + 100
     default_gap = 5e-5 if problem.num_seqs <= 2048 else 5e-4
-    stop_at = problem.lower_bound * (1 + float(problem.extra.get("stop_gap", default_gap)))
+    stop_at = problem.lower_bound * (1 + (opts.stop_gap if opts.stop_gap is not None else default_gap))
     for start in starts:
         polished = relabel_for_locality(problem, local_search(problem, start, stop_at=stop_at, max_iters=iters))
         try:
             candidates.append(build_plan(problem, polished, solver="lpt"))
         except ValueError:
             continue
-    if not candidates:
-        raise ValueError(f"no plan found under max_tokens_per_rank={problem.max_tokens_per_rank}")
+    assert candidates, "every start meets the cap, so local search keeps one"
     best = min(candidates, key=lambda p: p.makespan)
     if best.makespan > stop_at:  # small inputs: search exactly from the best plan so far
-        exact = branch_and_bound(problem, best.seq_bag, max_nodes=int(problem.extra.get("bnb_nodes", 20_000)))
+        exact = branch_and_bound(problem, best.seq_bag, max_nodes=opts.bnb_nodes)
         if exact is not best.seq_bag:
             candidates.append(build_plan(problem, relabel_for_locality(problem, exact), solver="lpt"))
             best = min(candidates, key=lambda p: p.makespan)
     tied = [p for p in candidates if p.makespan <= min(best.makespan * (1 + tol), ceiling)]
-    return _stamp(min(tied, key=lambda p: (p.tokens_moved, p.makespan)), t0)
+    return stamp(min(tied, key=lambda p: (p.tokens_moved, p.makespan)), t0)

@@ -19,16 +19,9 @@ import numpy as np
 
 from knapformer.plan.plan import Plan, build_plan
 from knapformer.plan.problem import PlanProblem
+from knapformer.plan.solvers.common import stamp
 
 __all__ = ["solve_paper", "paper_assignment"]
-
-
-def bag_classes(problem: PlanProblem) -> list[tuple[int, float, list[int]]]:
-    """Interchangeable bags: ``(size, capacity, bag ids)`` sorted by size then capacity."""
-    classes: dict[tuple[int, float], list[int]] = {}
-    for b in range(len(problem.bags)):
-        classes.setdefault((int(problem.bag_size[b]), float(problem.bag_capacity[b])), []).append(b)
-    return [(k, c, ids) for (k, c), ids in sorted(classes.items())]
 
 
 def paper_assignment(problem: PlanProblem) -> np.ndarray:
@@ -39,7 +32,7 @@ def paper_assignment(problem: PlanProblem) -> np.ndarray:
         return seq_bag
     work, lengths = problem.work, problem.lengths
     per_speed = float(work.sum()) / float(problem.speed.sum())
-    classes = bag_classes(problem)
+    classes = problem.bag_classes
     heaps = [[(0.0, b) for b in ids] for _, _, ids in classes]
     sizes = np.array([k for k, _, _ in classes])
     caps = np.array([per_speed * c for _, c, _ in classes])
@@ -66,14 +59,8 @@ def paper_assignment(problem: PlanProblem) -> np.ndarray:
 
 
 def solve_paper(problem: PlanProblem, *, time_budget_s: float | None = None) -> Plan:
-    """The paper's rule (``time_budget_s`` is ignored: the rule is one pass)."""
+    """The paper's rule (one pass: it takes no time budget; the registry refuses one)."""
     t0 = time.perf_counter()
     seq_bag = paper_assignment(problem)
     plan = build_plan(problem, seq_bag, solver="paper")
-    return _stamp(plan, t0)
-
-
-def _stamp(plan: Plan, t0: float) -> Plan:
-    """Record the wall time since ``t0`` (solver + chunking) on the plan."""
-    object.__setattr__(plan, "plan_seconds", time.perf_counter() - t0)
-    return plan
+    return stamp(plan, t0)

@@ -16,21 +16,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from knapformer.plan.problem import PlanProblem
+from knapformer.plan.problem import PlanProblem, sum_by
+from knapformer.plan.solvers.common import fits_cap
 
-__all__ = ["local_search", "relabel_for_locality", "fits_cap"]
+__all__ = ["local_search", "relabel_for_locality"]
 
 _EPS = 1e-12
 _SWAP_BAGS_PER_CLASS = 4  # swap partners come from this many least loaded bags per class
 _SWAP_CELLS = 16_384  # bound on the (critical items × partners) matrix of one swap search
-
-
-def fits_cap(tokens: np.ndarray, bag_size: np.ndarray, cap: int | None) -> np.ndarray:
-    """Whether a bag holding ``tokens`` keeps every rank at or under ``cap`` tokens
-    (chunking spreads a bag's tokens so rank counts differ by at most one)."""
-    if cap is None:
-        return np.ones(np.shape(tokens), dtype=bool)
-    return -(-tokens // bag_size) <= cap
 
 
 def local_search(
@@ -46,8 +39,8 @@ def local_search(
     kap, k = problem.bag_capacity, problem.bag_size
     cap = problem.max_tokens_per_rank
     home = problem.bag_of_rank[problem.src_rank]
-    load = np.bincount(seq_bag, weights=w, minlength=B)
-    tok = np.bincount(seq_bag, weights=L, minlength=B).astype(np.int64)
+    load = sum_by(seq_bag, w, B)
+    tok = sum_by(seq_bag, L, B).astype(np.int64)
     cls, num_cls = problem.bag_class
     bag_ids = np.arange(B)
     cls_start = np.searchsorted(np.sort(cls), np.arange(num_cls))  # first slot of each class
@@ -56,7 +49,9 @@ def local_search(
     light_valid = np.concatenate([cls_count > r for r in range(_SWAP_BAGS_PER_CLASS)])
     light_slots = light_slots[light_valid]
     if max_iters is None:
-        max_iters = int(problem.extra.get("max_iters", 2 * len(problem.bags) + 200))
+        max_iters = problem.options.max_iters
+        if max_iters is None:
+            max_iters = 2 * len(problem.bags) + 200
     for _ in range(max_iters):
         t = load / kap
         c = int(np.argmax(t))

@@ -1,0 +1,74 @@
+"""Sequence numbering, derived once from per-rank lengths and shared by every layer.
+
+Sequences are numbered globally in rank-major order: sequence ``g`` is the ``seq_index[g]``-th
+sequence of rank ``src_rank[g]``, and its tokens sit at ``local_start[g]`` in that rank's local
+tensor. The problem, the plan, the route spec, the cluster model and ``gather_sequences`` all
+read these arrays from one :class:`SeqIndex` instead of re-deriving them.
+
+Legend: ``n`` sequences, ``S`` ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+__all__ = ["SeqIndex"]
+
+
+@dataclass(frozen=True, eq=False)
+class SeqIndex:
+    """Global numbering of the sequences of one balancing group (validated lengths only)."""
+
+    seq_lens: tuple[tuple[int, ...], ...]
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.seq_lens)
+
+    @cached_property
+    def counts(self) -> np.ndarray:
+        """(S,) sequences per rank."""
+        return np.fromiter((len(r) for r in self.seq_lens), dtype=np.int64, count=self.num_ranks)
+
+    @cached_property
+    def first(self) -> np.ndarray:
+        """(S + 1,) global id of each rank's first sequence (and n at the end)."""
+        return np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.first[-1])
+
+    @cached_property
+    def lengths(self) -> np.ndarray:
+        """(n,) lengths in global order."""
+        return np.fromiter((v for r in self.seq_lens for v in r), dtype=np.int64, count=self.num_seqs)
+
+    @cached_property
+    def src_rank(self) -> np.ndarray:
+        """(n,) source rank of each sequence."""
+        return np.repeat(np.arange(self.num_ranks, dtype=np.int64), self.counts)
+
+    @cached_property
+    def seq_index(self) -> np.ndarray:
+        """(n,) index of each sequence on its source rank."""
+        return np.arange(self.num_seqs, dtype=np.int64) - self.first[:-1][self.src_rank]
+
+    @cached_property
+    def rank_tokens(self) -> np.ndarray:
+        """(S,) tokens each rank contributes."""
+        return np.bincount(self.src_rank, weights=self.lengths, minlength=self.num_ranks).astype(np.int64)
+
+    @cached_property
+    def local_start(self) -> np.ndarray:
+        """(n,) offset of each sequence inside its source rank's local tensor."""
+        start = np.cumsum(self.lengths) - self.lengths
+        rank_start = np.cumsum(self.rank_tokens) - self.rank_tokens
+        return start - rank_start[self.src_rank]
+
+    def gid(self, src_rank: np.ndarray, seq_index: np.ndarray) -> np.ndarray:
+        """Global ids of ``(src_rank, seq_index)`` pairs (e.g. the rows of a chunk table)."""
+        return self.first[:-1][src_rank] + seq_index
