@@ -25,14 +25,20 @@ def layouts(draw, max_ranks: int = 12) -> BagLayout:
 
 
 @st.composite
-def seq_lens_for(draw, num_ranks: int, max_len: int = 600, max_per_rank: int = 5) -> list[list[int]]:
-    """Per-rank lengths: empty ranks, 1-token sequences and long ones all appear."""
-    length = st.one_of(st.integers(1, 3), st.integers(1, max_len), st.sampled_from([1, 2, 7, 64, 4096]))
+def seq_lens_for(
+    draw, num_ranks: int, max_len: int = 600, max_per_rank: int = 5, huge: bool = False
+) -> list[list[int]]:
+    """Per-rank lengths: empty ranks, 1-token sequences and long ones all appear; ``huge`` adds
+    lengths up to the largest a sequence may have (2^31 - 1)."""
+    options = [st.integers(1, 3), st.integers(1, max_len), st.sampled_from([1, 2, 7, 64, 4096])]
+    if huge:
+        options.append(st.integers(2**20, 2**31 - 1))
+    length = st.one_of(*options)
     return [draw(st.lists(length, min_size=0, max_size=max_per_rank)) for _ in range(num_ranks)]
 
 
 @st.composite
-def problems(draw, max_ranks: int = 12):
+def problems(draw, max_ranks: int = 12, huge: bool = False):
     layout = draw(layouts(max_ranks))
-    lens = draw(seq_lens_for(layout.group_size))
+    lens = draw(seq_lens_for(layout.group_size, huge=huge))
     return layout, lens

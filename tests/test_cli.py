@@ -1,5 +1,6 @@
 """The `knapformer plan` CLI: JSON in, JSON or a summary out, one-line errors."""
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -85,3 +86,64 @@ def test_plan_demo_writes_table_and_chart(tmp_path, capsys):
     assert all(r["imbalance_after"] <= r["imbalance_before"] + 1e-12 for r in rows)
     assert (tmp_path / "rank_work.png").stat().st_size > 0
     assert "paper-joint" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["plan", "--bags", "g1n2", "--solver", "exact", "--max-tokens", "2"], "max_tokens_per_rank=2 is infeasible"),
+        (["plan", "--bags", "g1n2", "--rank-speed", "fast,1"], "argument --rank-speed: entry 0 'fast'"),
+        (["plan", "--bags", "g1n2", "--max-tokens", "-3"], "argument --max-tokens: '-3' must be >= 1"),
+        (["plan", "--bags", "g1n2", "--gamma", "nan"], "argument --gamma: 'nan' is not a finite number"),
+        (["simulate", "--ranks", "2", "--bags", "g3n1"], "is not divisible by the group size 3"),
+        (["simulate", "--ranks", "2", "--rank-speed", "1,1,1"], "rank_speed has 3 entries for 2 ranks"),
+        (["simulate", "--ranks", "2", "--solver", "nope"], "argument --solver: invalid choice: 'nope'"),
+        (
+            ["cluster", "--mix", "paper-joint", "--gpus", "32", "--model", "flux", "--fixed-s", "-5"],
+            "argument --fixed-s: '-5' must be >= 0",
+        ),
+        (
+            ["cluster", "--mix", "paper-joint", "--gpus", "32", "--model", "flux", "--fixed-s", "nan"],
+            "argument --fixed-s: 'nan' is not a finite number",
+        ),
+        (
+            ["cluster", "--mix", "paper-joint", "--gpus", "32", "--model", "flux", "--efficiency", "0"],
+            "argument --efficiency: '0' must be > 0",
+        ),
+        (
+            ["cluster", "--mix", "paper-joint", "--gpus", "32", "--model", "flux", "--rank-speed", "1,2"],
+            "--rank-speed has 2 entries for --gpus 32",
+        ),
+    ],
+)
+def test_every_bad_value_is_one_line_naming_it(tmp_path, capsys, argv, message):
+    if argv[0] == "plan":
+        argv = [*argv, "--input", write(tmp_path, {"seq_lens": [[3, 3], [2, 2, 2]]})]
+    with pytest.raises(SystemExit) if "argument" in message else contextlib.nullcontext():
+        code = main(argv)
+        assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert message in err, err
+
+
+@pytest.mark.parametrize("flag", ["--input", "--profile"])
+def test_non_utf8_files_are_named(tmp_path, capsys, flag):
+    bad = tmp_path / "latin1.json"
+    bad.write_bytes(b'{"seq_lens": [[1]], "x": "\xe9"}')
+    good = write(tmp_path, {"seq_lens": [[1], [2]]})
+    argv = ["plan", "--bags", "g1n2", "--input", str(bad) if flag == "--input" else good]
+    if flag == "--profile":
+        argv += ["--profile", str(bad)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert str(bad) in err and "not UTF-8" in err and len(err.splitlines()) == 1, err
+
+
+def test_simulate_and_cluster_help_expose_the_balancer_settings(capsys):
+    for command in ("simulate", "cluster"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = capsys.readouterr().out
+        for flag in ("--solver", "--max-tokens", "--rank-speed", "--attn-backend", "--profile", "--bags"):
+            assert flag in text, (command, flag)

@@ -111,13 +111,7 @@ def test_no_import_circles():
 
 def test_core_never_imports_tools_integrations_or_cluster():
     graph = _graph()
-    bad = [
-        f"{m} imports {d}"
-        for m, deps in graph.items()
-        if _layer(m) in CORE
-        for d in deps
-        if _layer(d) in UPPER
-    ]
+    bad = [f"{m} imports {d}" for m, deps in graph.items() if _layer(m) in CORE for d in deps if _layer(d) in UPPER]
     assert bad == [], bad
 
 
@@ -149,12 +143,7 @@ def test_pure_layers_do_not_import_torch():
 
 def test_cli_help_imports_no_torch():
     """Every subcommand's --help is torch-free: parsers are built from the tools' add_args."""
-    code = (
-        "import sys\n"
-        "from knapformer.cli import build_parser\n"
-        "build_parser()\n"
-        "print('torch' in sys.modules)\n"
-    )
+    code = "import sys\nfrom knapformer.cli import build_parser\nbuild_parser()\nprint('torch' in sys.modules)\n"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -108,6 +108,25 @@ def test_slow_rank_gets_less_work(solver):
     assert plan.makespan <= plan_sequences(lens, "g1n4", MODEL, solver=solver).time_after.max() * 4
 
 
+@given(problem=problems(huge=True), data=st.data())
+def test_fuzz_huge_lengths_and_caps(problem, data):
+    """Random worlds, layouts and lengths (1s, empty ranks, up to 2^31-1 tokens) under random
+    caps at d_model=3072: a valid plan within its cap, or a ValueError naming the cap."""
+    layout, lens = problem
+    total = sum(map(sum, lens))
+    cap = data.draw(st.one_of(st.none(), st.integers(1, max(1, total))))
+    model = WorkloadModel(d_model=3072)
+    try:
+        plan = plan_sequences(lens, layout, model, max_tokens_per_rank=cap)
+    except ValueError as exc:
+        assert cap is not None and "max_tokens_per_rank" in str(exc)
+        return
+    plan.validate()
+    assert np.isfinite(plan.time_after).all()
+    if cap is not None:
+        assert plan.tokens_per_rank().max(initial=0) <= cap
+
+
 @given(problem=problems())
 def test_plans_are_deterministic_and_round_trip_json(problem):
     """Identical input gives an identical plan; JSON round trip preserves it."""

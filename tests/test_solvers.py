@@ -168,11 +168,26 @@ def test_unknown_solver():
         ([[30], [1]], "g1n2", {"max_tokens_per_rank": 20}, "sequence 0 on rank 0 has 30 tokens"),
         ([[1], [2]], "g1n2", {"rank_speed": [1.0]}, "rank_speed has 1 entries for 2 ranks"),
         ([[1], [2]], "g1n2", {"rank_speed": [1.0, 0.0]}, r"rank_speed\[1\] = 0.0 must be finite and > 0"),
+        ([[1], [2]], "g1n2", {"rank_speed": ["fast", 1]}, r"rank_speed\[0\] = 'fast' is not a number"),
+        ([[True, 2]], "g1n1", {}, r"seq_lens\[0\]\[0\] = True is not an integer"),
+        ([[2**63]], "g1n1", {}, r"seq_lens\[0\]\[0\] = 9223372036854775808 is longer than the 2147483647 tokens"),
+        ([[2**62, 2**62]], "g1n1", {}, "is longer than the 2147483647 tokens a sequence may have"),
+        ([np.array([3, 4], dtype=np.uint64)], "g1n1", {"time_budget_s": 1.0}, "solver 'lpt' takes no time budget"),
+        ([np.array([True, False])], "g1n1", {}, "has dtype bool; lengths must be integers"),
+        ([[1], [2]], "g1n2", {"max_tokens_per_rank": True}, "max_tokens_per_rank must be a positive int"),
     ],
 )
 def test_bad_input_names_the_problem(lens, spec, kwargs, message):
     with pytest.raises(ValueError, match=message):
         plan_sequences(lens, spec, MODEL, **kwargs)
+
+
+@pytest.mark.parametrize("lens", [[[], [10**8]], [[2**31 - 1, 2**31 - 1], [1]], [[2**31 - 1] * 3, [], [7]]])
+def test_huge_lengths_plan_in_float64(lens):
+    """Costs of billion-token sequences at d_model=3072 exceed int64 (~2e22): float64 throughout."""
+    plan = plan_sequences(lens, f"g1n{len(lens)}", WorkloadModel(d_model=3072))
+    plan.validate()
+    assert np.isfinite(plan.time_after).all() and plan.tokens_per_rank().sum() == sum(map(sum, lens))
 
 
 def test_paper_solver_refuses_to_break_the_cap():
