@@ -56,8 +56,18 @@ def demo_batch(rank: int, world: int, step: int, mcfg, cfg):
 
     from knapformer.data.batches import make_batch
 
-    return make_batch(cfg.mix, rank=rank, num_ranks=world, step=step, seed=cfg.seed, scale=cfg.scale,
-                      in_dim=mcfg.in_dim, vec_dim=mcfg.vec_dim, out_dim=mcfg.out_dim, dtype=torch.float32)
+    return make_batch(
+        cfg.mix,
+        rank=rank,
+        num_ranks=world,
+        step=step,
+        seed=cfg.seed,
+        scale=cfg.scale,
+        in_dim=mcfg.in_dim,
+        vec_dim=mcfg.vec_dim,
+        out_dim=mcfg.out_dim,
+        dtype=torch.float32,
+    )
 
 
 def demo_loss(model, batch, bal, mode: str):

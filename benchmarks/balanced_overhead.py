@@ -103,8 +103,14 @@ def main() -> None:
     if args.top:
         keys = {k for r in res for m in ("balanced, serialised", "unbalanced") for k in r["ops_ms"][m]}
         rows = sorted(
-            ((sum(r["ops_ms"]["balanced, serialised"].get(k, 0) for r in res),
-              sum(r["ops_ms"]["unbalanced"].get(k, 0) for r in res), k) for k in keys),
+            (
+                (
+                    sum(r["ops_ms"]["balanced, serialised"].get(k, 0) for r in res),
+                    sum(r["ops_ms"]["unbalanced"].get(k, 0) for r in res),
+                    k,
+                )
+                for k in keys
+            ),
             key=lambda t: t[1] - t[0],
         )
         print("ops that grew most (serialised vs unbalanced, ms per backward, both ranks):")

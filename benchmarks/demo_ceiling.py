@@ -89,18 +89,28 @@ def main() -> None:
         w = sum(wall(mode, i) for i in reps)
         busy = statistics.mean(statistics.mean(r[mode][i][2] for r in res) for i in reps)
         busy_max = statistics.mean(max(r[mode][i][2] for r in res) for i in reps)
-        out.append({
-            "mode": mode,
-            "step_s": w / args.reps,
-            "busy_mean_s": busy,
-            "busy_max_s": busy_max,
-            "speedup": u_wall / w,
-            "of_ideal": u_wall / w / ideal,
-        })
+        out.append(
+            {
+                "mode": mode,
+                "step_s": w / args.reps,
+                "busy_mean_s": busy,
+                "busy_max_s": busy_max,
+                "speedup": u_wall / w,
+                "of_ideal": u_wall / w / ideal,
+            }
+        )
     print(f"demo batches, 2 ranks, fwd+bwd, {args.reps} reps; ideal speedup {ideal:.3f}")
-    print_table(out, [("mode", "22s"), ("step_s", ".3f"), ("busy_mean_s", ".3f"), ("busy_max_s", ".3f"),
-                      ("speedup", ".3f"),
-                      ("of_ideal", ".1%")])
+    print_table(
+        out,
+        [
+            ("mode", "22s"),
+            ("step_s", ".3f"),
+            ("busy_mean_s", ".3f"),
+            ("busy_max_s", ".3f"),
+            ("speedup", ".3f"),
+            ("of_ideal", ".1%"),
+        ],
+    )
     write_json(args.out, out, ideal_speedup=ideal, reps=args.reps)
 
 

@@ -1,18 +1,32 @@
-"""Routing overhead on real gloo ranks: route, reverse, pre/post attention vs attention itself.
+"""Exchange overhead on real gloo ranks: route, reverse, pre/post attention vs attention itself,
+collectives per call, bytes sent vs the minimum, and what the cross-rank checks cost.
 
-    python benchmarks/route_overhead.py [--ranks 2 4] [--iters 5] [--out runs/bench/route_overhead.json]
+    python benchmarks/route_overhead.py [--ranks 2 4] [--iters 7] [--out runs/bench/route_overhead.json]
+    python benchmarks/route_overhead.py --baseline OLD.json   # ratios vs a run of another checkout
 
-A heterogeneous batch (paper-mixres scaled down 4×, 1,024-dim tokens in bf16 plus an int64
-feature routed in the same call) is balanced under a layout with 1- and 2-rank bags. Each
-rank counts its ``all_to_all_single`` calls per operation and the bytes it sends to *other*
-ranks; the minimum is (tokens whose destination differs from their source) × bytes per token.
-Route and reverse move a bf16 tensor and an int64 tensor in one call: one collective per dtype
-(2), never a promotion. Times are per-rank medians of thread CPU time (2 ranks share 2 cores; 4 ranks time-share).
+Cases (the same data on every rank count: paper-mixres scaled down 4×, 1,024-dim tokens in bf16
+plus an int64 feature routed in the same call; attention with 8 heads of 32 in fp32):
+
+- ``bags``: a bag layout (g2n1 on 2 ranks, g1n2+g2n1 on 4) planned by the default solver;
+- ``mixed``: a per-sequence plan where every rank runs some sequences alone and chunks of
+  others in groups of 2 (and 4 on 4 ranks) with different partners in the same step.
+
+Each rank counts its ``all_to_all_single`` calls per operation and the bytes it sends to
+*other* ranks. The minimum for route/reverse is (tokens leaving their rank) × bytes per token;
+for pre attention, each member's own tokens of each group × the heads of every *other* member
+(q, k, v), for post attention the same for the outputs. ``attention (per degree)`` is one
+varlen call per parallel degree (what ``SequenceBalancer.attention`` runs); ``attention
+(pairs)`` is pre_attn's single flattened call over (sequence, head) pairs for custom kernels.
+``agree`` is the flag exchange that precedes every route (one tiny all-reduce: error flag, plan
+digest, dtype/shape digest); ``pre_attn debug`` adds the per-layer agreement of ``debug=True``.
+Times are per-rank medians of thread CPU time over ``--iters`` (2 ranks share 2 cores; 4 time-share).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import statistics
 import sys
 import time
@@ -21,13 +35,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from _common import print_table, write_json  # noqa: E402
 
 from knapformer import SequenceBalancer, WorkloadModel  # noqa: E402
+from knapformer.attention import varlen_attention  # noqa: E402
 from knapformer.data import sample_seq_lens  # noqa: E402
 from knapformer.distributed import ops  # noqa: E402
+from knapformer.distributed.agree import agree  # noqa: E402
+from knapformer.distributed.spec import member_heads  # noqa: E402
+from knapformer.plan import plan_from_groups  # noqa: E402
 from knapformer.testing import run_distributed  # noqa: E402
 
 HEADS, HEAD_DIM = 8, 32
@@ -40,7 +59,7 @@ def _counting(counter: dict):
     def wrapped(out, inp, output_split_sizes=None, input_split_sizes=None, group=None, **kw):
         me = dist.get_rank(group)
         counter["calls"] += 1
-        per_row = inp[0].numel() * inp.element_size() if inp.shape[0] else 0
+        per_row = inp[0].numel() * inp.element_size() if inp.dim() > 1 and inp.shape[0] else inp.element_size()
         counter["bytes"] += sum(s for r, s in enumerate(input_split_sizes) if r != me) * per_row
         return real(
             out, inp, output_split_sizes=output_split_sizes, input_split_sizes=input_split_sizes, group=group, **kw
@@ -49,11 +68,60 @@ def _counting(counter: dict):
     return wrapped
 
 
-def worker(rank: int, world: int, layout: str, iters: int) -> dict:
+def _lens(world: int) -> list[list[int]]:
     mix = sample_seq_lens("paper-mixres", scale=4, seed=0)
-    lens = [mix[r] for r in ([0, 28] if world == 2 else [0, 16, 20, 28])]  # low-res ... 2048² ranks
-    bal = SequenceBalancer(layout, WorkloadModel(d_model=FEAT))
-    plan = bal.plan(lens[rank])
+    return [mix[r] for r in ([0, 28] if world == 2 else [0, 16, 20, 28])]  # low-res ... 2048² ranks
+
+
+def mixed_plan(world: int, model: WorkloadModel):
+    """Every rank keeps its short sequences alone; each long sequence goes to a group of 2
+    (and on 4 ranks the longest to a group of 4) whose members differ from sequence to sequence."""
+    lens = _lens(world)
+    groups, seq_group = [], []
+    flat = sorted(((n, r, i) for r, row in enumerate(lens) for i, n in enumerate(row)), reverse=True)
+    long = {(r, i): j for j, (_, r, i) in enumerate(flat[: max(2, len(flat) // 4)])}
+    for r, row in enumerate(lens):
+        for i, _ in enumerate(row):
+            j = long.get((r, i))
+            if j is None:
+                g = (r,)
+            elif world >= 4 and j == 0:
+                g = (3, 1, 0, 2)
+            else:
+                g = (r, (r + 1 + j) % world) if (r + 1 + j) % world != r else (r, (r + 1) % world)
+            if g not in groups:
+                groups.append(g)
+            seq_group.append(groups.index(g))
+    return plan_from_groups(lens, groups, seq_group, model)
+
+
+def ulysses_min_bytes(plan, rank: int, h: int, h_kv: int, d: int, dv: int, elem: int) -> tuple[int, int]:
+    """(pre, post) bytes this rank must send to other members, from the plan alone."""
+    pre = post = 0
+    for g, members in enumerate(plan.bags):
+        k = len(members)
+        if k == 1 or rank not in members:
+            continue
+        sel = np.flatnonzero(plan.seq_bag[plan.chunk_gid] == g)
+        mine = int(plan.chunks[sel[plan.chunks[sel, 4] == rank], 3].sum())  # my tokens of this group
+        for j, m in enumerate(members):
+            if m == rank:
+                continue
+            qh, kvh = member_heads(k, j, h, h_kv)
+            hq, hkv = qh.stop - qh.start, kvh.stop - kvh.start
+            pre += mine * (hq * d + hkv * d + hkv * dv) * elem
+            post += int(plan.chunks[sel[plan.chunks[sel, 4] == m], 3].sum()) * (h // k) * dv * elem
+    return pre, post
+
+
+def worker(rank: int, world: int, case: str, iters: int) -> dict:
+    model = WorkloadModel(d_model=FEAT)
+    bal = SequenceBalancer(f"g{world}n1" if world == 2 else "g1n2+g2n1", model)
+    lens = _lens(world)
+    if case == "bags":
+        plan = bal.plan(lens[rank])
+    else:
+        plan = bal.use_plan(mixed_plan(world, model))
     T = sum(lens[rank])
     x = torch.randn(T, FEAT, dtype=torch.bfloat16)
     ids = torch.arange(T, dtype=torch.int64)
@@ -74,65 +142,91 @@ def worker(rank: int, world: int, layout: str, iters: int) -> dict:
 
     y, yid = measure("route", lambda: bal.route(x, ids))
     measure("reverse", lambda: bal.reverse_route(y, yid))
-    q = y.view(-1, FEAT // (HEADS * HEAD_DIM), HEADS, HEAD_DIM)[:, 0].contiguous()
-    q2, k2, v2, cu, mx = measure("pre_attn", lambda: bal.pre_attn(q, q, q))
-    from knapformer.attention import varlen_attention
+    q = torch.randn(y.shape[0], HEADS, HEAD_DIM)
+    call = bal._pre(q, q, q)  # agree this step's attention shapes once, as the first layer does
+    measure("pre_attn", lambda: bal._pre(q, q, q))
+    measure(
+        "attention (per degree)",
+        lambda: [varlen_attention(b.q, b.k, b.v, b.cu_seqlens, b.max_len) for b in call.batches],
+    )
+    outs = [varlen_attention(b.q, b.k, b.v, b.cu_seqlens, b.max_len) for b in call.batches]
+    measure("post_attn", lambda: bal._post(call, outs))
+    from knapformer.distributed import ulysses
 
-    o2 = measure("attention_kernel", lambda: varlen_attention(q2, k2, v2, cu, mx))
-    measure("post_attn", lambda: bal.post_attn(o2))
+    fq, fk, fv, fcu, fmax = ulysses.flatten_pairs(call)
+    measure("attention (pairs)", lambda: varlen_attention(fq, fk, fv, fcu, fmax))
+    measure("agree", lambda: agree(bal.group, "bench", "", {"plan": 12345, "dtypes": 678}))
+    debug = SequenceBalancer(dataclasses.replace(bal.config, debug=True))
+    debug.use_plan(plan)
+    debug.route(x)
+    measure("pre_attn debug", lambda: debug._pre(q, q, q))
     bytes_per_token = FEAT * 2 + 8
     me = bal.group_rank
     sent_off = sum(int(c[3]) for c in plan.chunks if c[0] == me and c[4] != me) * bytes_per_token
     recv_off = sum(int(c[3]) for c in plan.chunks if c[4] == me and c[0] != me) * bytes_per_token
+    pre_min, post_min = ulysses_min_bytes(plan, me, HEADS, HEADS, HEAD_DIM, HEAD_DIM, 4)
+    degrees = sorted({e.degree for e in bal.spec.entries})
     return {
         "stats": stats,
-        "min_bytes": {"route": sent_off, "reverse": recv_off},
-        "tokens": T,
+        "min_bytes": {"route": sent_off, "reverse": recv_off, "pre_attn": pre_min, "post_attn": post_min},
+        "degrees": degrees,
         "routed": int(y.shape[0]),
-        "tokens_moved": plan.tokens_moved,
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--cases", nargs="+", default=["bags", "mixed"])
+    ap.add_argument("--iters", type=int, default=7)
+    ap.add_argument("--baseline", default=None, help="JSON of a run of another checkout: print time ratios")
     ap.add_argument("--out", default="runs/bench/route_overhead.json")
     args = ap.parse_args()
     rows = []
     for world in args.ranks:
-        layout = "g2n1" if world == 2 else "g1n2+g2n1"
-        res = run_distributed(worker, world, layout, args.iters, timeout=600)
-        for rank, r in enumerate(res):
-            for op, s in r["stats"].items():
-                row = {
-                    "ranks": world,
-                    "layout": layout,
-                    "rank": rank,
-                    "op": op,
-                    "ms": s["ms"],
-                    "a2a_calls": s["calls"],
-                    "bytes_sent": s["bytes"],
-                }
-                if op in ("route", "reverse"):
-                    m = r["min_bytes"][op]
-                    row["min_bytes"] = m
-                    row["bytes/min"] = s["bytes"] / m if m else (1.0 if s["bytes"] == 0 else float("inf"))
-                rows.append(row)
-    print_table(
-        rows,
-        [
-            ("ranks", "d"),
-            ("layout", "s"),
-            ("rank", "d"),
-            ("op", "s"),
-            ("ms", ".2f"),
-            ("a2a_calls", "d"),
-            ("bytes_sent", "d"),
-            ("min_bytes", "d"),
-            ("bytes/min", ".3f"),
-        ],
-    )
+        for case in args.cases:
+            res = run_distributed(worker, world, case, args.iters, timeout=900)
+            for rank, r in enumerate(res):
+                for op, s in r["stats"].items():
+                    row = {
+                        "ranks": world,
+                        "case": case,
+                        "rank": rank,
+                        "degrees": ",".join(map(str, r["degrees"])),
+                        "op": op,
+                        "ms": s["ms"],
+                        "a2a_calls": s["calls"],
+                        "bytes_sent": s["bytes"],
+                    }
+                    if op in r["min_bytes"]:
+                        m = r["min_bytes"][op]
+                        row["min_bytes"] = m
+                        row["bytes/min"] = s["bytes"] / m if m else (1.0 if s["bytes"] == 0 else float("inf"))
+                    rows.append(row)
+    if args.baseline:
+        renamed = {"attention_kernel": "attention (per degree)"}  # the bag executor's benchmark called it so
+        base = {
+            (b["ranks"], b.get("case", "bags"), b["rank"], renamed.get(b["op"], b["op"])): b["ms"]
+            for b in json.load(open(args.baseline))["rows"]
+        }
+        for r in rows:
+            old = base.get((r["ranks"], r["case"], r["rank"], r["op"]))
+            r["ms/baseline"] = r["ms"] / old if old else None
+    cols = [
+        ("ranks", "d"),
+        ("case", "s"),
+        ("rank", "d"),
+        ("degrees", "s"),
+        ("op", "s"),
+        ("ms", ".2f"),
+        ("a2a_calls", "d"),
+        ("bytes_sent", "d"),
+        ("min_bytes", "d"),
+        ("bytes/min", ".3f"),
+    ]
+    if args.baseline:
+        cols.append(("ms/baseline", ".3f"))
+    print_table(rows, cols)
     write_json(args.out, rows)
 
 

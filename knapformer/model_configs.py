@@ -20,6 +20,8 @@ class TransformerConfig:
     """Model width D."""
     num_heads: int = 4
     """Attention heads (must be divisible by every bag size)."""
+    num_kv_heads: int | None = None
+    """Key/value heads (GQA when fewer than ``num_heads``, MQA at 1); None = ``num_heads``."""
     num_layers: int = 2
     mlp_ratio: float = 4.0
     out_dim: int = 32
@@ -30,6 +32,13 @@ class TransformerConfig:
             raise ValueError(f"dim {self.dim} is not divisible by num_heads {self.num_heads}")
         if (self.dim // self.num_heads) % 2:
             raise ValueError(f"head dim {self.dim // self.num_heads} must be even for RoPE")
+        kv = self.kv_heads
+        if kv < 1 or self.num_heads % kv:
+            raise ValueError(f"num_kv_heads {kv} must divide num_heads {self.num_heads}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
 
     @property
     def num_double(self) -> int:

@@ -27,21 +27,28 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["WorkloadModel", "layer_flops", "transformer_flops"]
+__all__ = ["WorkloadModel", "layer_flops", "linear_flops_per_token", "transformer_flops"]
 
 
-def layer_flops(tokens: Any, attn: Any, d_model: int, *, causal: bool = False) -> Any:
+def linear_flops_per_token(d_model: int, kv_ratio: float = 1.0) -> float:
+    """Forward FLOPs per token of a layer's matmuls: q and output projections (d² each), k and
+    v projections (d²·kv_ratio each: GQA/MQA have fewer kv heads), a 4× MLP (8d²); 2 FLOPs per
+    multiply-add. 24·d² for full multi-head attention (the paper's form)."""
+    return 2.0 * (10.0 + 2.0 * kv_ratio) * d_model * d_model
+
+
+def layer_flops(tokens: Any, attn: Any, d_model: int, *, causal: bool = False, kv_ratio: float = 1.0) -> Any:
     """True forward FLOPs of one Transformer layer for ``tokens`` tokens of token-wise work and
     ``attn`` = Σ L² of attention work (a rank's share: Σ L²/k over its groups' sequences)."""
     tokens = np.asarray(tokens, dtype=np.float64)
     attn = np.asarray(attn, dtype=np.float64)
-    return 24.0 * tokens * d_model * d_model + 4.0 * attn * d_model * (0.5 if causal else 1.0)
+    return linear_flops_per_token(d_model, kv_ratio) * tokens + 4.0 * attn * d_model * (0.5 if causal else 1.0)
 
 
-def transformer_flops(length: int | np.ndarray, d_model: int, *, causal: bool = False) -> Any:
+def transformer_flops(length: int | np.ndarray, d_model: int, *, causal: bool = False, kv_ratio: float = 1.0) -> Any:
     """True forward FLOPs of one Transformer layer on a sequence of ``length`` tokens."""
     length = np.asarray(length, dtype=np.float64)
-    return layer_flops(length, length * length, d_model, causal=causal)
+    return layer_flops(length, length * length, d_model, causal=causal, kv_ratio=kv_ratio)
 
 
 def _is_number(v: object) -> bool:
@@ -70,6 +77,11 @@ class WorkloadModel:
     quadratic: float | None = None
     """Override of the quadratic coefficient (calibrated, already causal-adjusted);
     None = ``γ·4·d`` (halved when causal)."""
+    num_heads: int | None = None
+    """Attention heads; with ``num_kv_heads`` it sets the GQA share of the k/v projections in the
+    linear cost and FLOPs. None = full multi-head attention."""
+    num_kv_heads: int | None = None
+    """Key/value heads (GQA: fewer than ``num_heads``; MQA: 1). None = ``num_heads``."""
     per_seq: float = 0.0
     """Fixed cost per sequence on every rank that runs it (kernel launches, one attention call
     per sequence); calibrated profiles fit it, the paper's form has none."""
@@ -89,6 +101,14 @@ class WorkloadModel:
             v = getattr(self, name)
             if v is not None and not (_is_number(v) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} coefficient must be finite and >= 0, got {v!r}")
+        for name in ("num_heads", "num_kv_heads"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+                raise ValueError(f"{name} must be a positive int or None, got {v!r}")
+        if self.num_kv_heads is not None and (self.num_heads is None or self.num_heads % self.num_kv_heads):
+            raise ValueError(
+                f"num_kv_heads={self.num_kv_heads} needs num_heads divisible by it (num_heads={self.num_heads})"
+            )
         if not isinstance(self.meta, dict):
             raise ValueError(f"meta must be a dict, got {type(self.meta).__name__}")
         if self.linear_coef == 0 and self.quad_coef == 0:
@@ -98,7 +118,16 @@ class WorkloadModel:
     @property
     def linear_coef(self) -> float:
         """Cost per token of the token-wise part."""
-        return float(self.linear) if self.linear is not None else 24.0 * self.d_model**2
+        if self.linear is not None:
+            return float(self.linear)
+        return linear_flops_per_token(self.d_model, self.kv_ratio)
+
+    @property
+    def kv_ratio(self) -> float:
+        """kv heads / query heads (1.0 without GQA)."""
+        if self.num_heads is None or self.num_kv_heads is None:
+            return 1.0
+        return self.num_kv_heads / self.num_heads
 
     @property
     def quad_coef(self) -> float:
@@ -135,7 +164,7 @@ class WorkloadModel:
     def flops(self, length: Any, *, backward: bool = True, recompute: bool = False) -> Any:
         """True FLOPs of all layers: forward (+ backward = 2× forward, + recompute = 1×)."""
         mult = 1.0 + (2.0 if backward else 0.0) + (1.0 if recompute else 0.0)
-        per_layer = transformer_flops(length, self.d_model, causal=self.causal)
+        per_layer = transformer_flops(length, self.d_model, causal=self.causal, kv_ratio=self.kv_ratio)
         return mult * self.num_layers * per_layer
 
     # -- profiles ------------------------------------------------------------------------
@@ -153,7 +182,18 @@ class WorkloadModel:
         if not isinstance(data, dict):
             raise ValueError(f"workload profile must be a JSON object, got {type(data).__name__}")
         data = {k: v for k, v in data.items() if k not in ("linear_coef", "quad_coef", "gamma_equivalent")}
-        known = {"d_model", "gamma", "causal", "num_layers", "linear", "quadratic", "per_seq", "meta"}
+        known = {
+            "d_model",
+            "gamma",
+            "causal",
+            "num_layers",
+            "linear",
+            "quadratic",
+            "per_seq",
+            "meta",
+            "num_heads",
+            "num_kv_heads",
+        }
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown workload profile keys: {unknown}")

@@ -20,6 +20,12 @@ from knapformer.tools.parallelize import apply_checkpointing, apply_fsdp
 
 MM = MMDiTConfig(in_dim=8, vec_dim=8, dim=32, num_heads=4, num_double=1, num_single=1, out_dim=8)
 TR = TransformerConfig(in_dim=8, dim=32, num_heads=4, num_layers=2, out_dim=8)
+CONFIGS = {
+    "mmdit": MM,
+    "transformer": TR,
+    "transformer-gqa": TransformerConfig(in_dim=8, dim=32, num_heads=4, num_kv_heads=2, num_layers=2, out_dim=8),
+    "transformer-mqa": TransformerConfig(in_dim=8, dim=32, num_heads=4, num_kv_heads=1, num_layers=2, out_dim=8),
+}
 
 
 def _run(model, cfg, b, ex):
@@ -40,13 +46,14 @@ def _cat(batches):
 
 
 def check_model(rank: int, world: int, kind: str, layout: str, lens, txts, wrapper: str) -> dict:
-    cfg = MM if kind == "mmdit" else TR
+    cfg = CONFIGS[kind]
     batches = [
         batch_from_lens(lens[r], txts[r], seed=7, rank=r, step=0, in_dim=cfg.in_dim, vec_dim=8, out_dim=cfg.out_dim)
         for r in range(world)
     ]
     torch.manual_seed(0)
     ref = MMDiT(cfg) if kind == "mmdit" else Transformer(cfg)
+    assert kind != "transformer-gqa" or ref.blocks[0].qkv.out_features == 32 + 2 * 2 * 8  # fewer kv heads
     model = copy.deepcopy(ref)
     # reference: all sequences of all ranks in one process
     allb = _cat(batches)

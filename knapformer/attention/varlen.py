@@ -10,6 +10,9 @@ Backends share one signature (:class:`VarlenAttention`) and one conformance test
 
 ``auto`` picks ``flash`` for CUDA tensors when flash-attn imports, else ``sdpa``. No CUDA or
 flash-attn import happens when this module is imported.
+
+Shapes: q (N, h, D), k (N, h_kv, D), v (N, h_kv, Dv) -> (N, h, Dv). With fewer kv heads
+(GQA/MQA, ``h % h_kv == 0``) query head i attends with kv head ``i // (h / h_kv)``.
 """
 
 from __future__ import annotations
@@ -33,8 +36,21 @@ def _bounds(cu_seqlens: torch.Tensor) -> list[int]:
     return cu_seqlens.tolist()
 
 
+def _empty_output(q, k, v):
+    """(N, h, Dv) zeros still connected to q, k, v (an empty rank's backward must run)."""
+    return q.new_zeros((q.shape[0], q.shape[1], v.shape[2])) + 0 * (q.sum() + k.sum() + v.sum())
+
+
+def _check_gqa(q, k, v) -> bool:
+    h, h_kv = q.shape[1], k.shape[1]
+    if v.shape[1] != h_kv or h_kv == 0 or h % h_kv:
+        raise ValueError(f"q has {h} heads, k {k.shape[1]} and v {v.shape[1]}: k and v need h_kv heads dividing h")
+    return h_kv != h
+
+
 def sdpa_per_sequence(q, k, v, cu_seqlens, max_len, *, causal):
-    """(N, h, D) -> (N, h, D): one SDPA per sequence."""
+    """(N, h, D) -> (N, h, Dv): one SDPA per sequence."""
+    gqa = _check_gqa(q, k, v)
     cu = _bounds(cu_seqlens)
     lens = [e - s for s, e in zip(cu[:-1], cu[1:])]
     if sum(lens) != q.shape[0]:
@@ -47,24 +63,29 @@ def sdpa_per_sequence(q, k, v, cu_seqlens, max_len, *, causal):
         if qs.shape[0] == 0:
             continue
         qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (qs, ks, vs))
-        outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)[0].transpose(0, 1))
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, enable_gqa=gqa)[0].transpose(0, 1))
     if not outs:
-        return q.new_zeros(q.shape) + 0 * (q.sum() + k.sum() + v.sum())  # keep the graph connected
+        return _empty_output(q, k, v)  # keep the graph connected
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
 def sdpa_block_diagonal(q, k, v, cu_seqlens, max_len, *, causal):
-    """(N, h, D) -> (N, h, D): one SDPA call with a block-diagonal (and causal) mask."""
+    """(N, h, D) -> (N, h, Dv): one SDPA call with a block-diagonal (and causal) mask."""
+    gqa = _check_gqa(q, k, v)
     N = q.shape[0]
     if N == 0:
-        return q.new_zeros(q.shape) + 0 * (q.sum() + k.sum() + v.sum())
+        return _empty_output(q, k, v)
     lens = torch.diff(cu_seqlens.to(torch.int64))
     seg = torch.repeat_interleave(torch.arange(lens.numel(), device=q.device), lens.to(q.device))
     mask = seg[:, None] == seg[None, :]
     if causal:
         mask &= torch.ones(N, N, dtype=torch.bool, device=q.device).tril()
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), attn_mask=mask
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        enable_gqa=gqa,
     )
     return out[0].transpose(0, 1)
 

@@ -48,6 +48,9 @@ class ModelShape:
     dim: int
     heads: int
     layers: int
+    kv_heads: int | None = None
+    """Key/value heads (GQA/MQA); None = ``heads``. Sets the k/v projection FLOPs and the kv
+    share of each Ulysses exchange."""
     causal: bool = False
     recompute: bool = False
     bytes_per_value: int = 2
@@ -58,10 +61,15 @@ class ModelShape:
         return cls(
             dim=cfg.dim,
             heads=cfg.num_heads,
+            kv_heads=getattr(cfg, "kv_heads", None),
             layers=cfg.num_layers,
             causal=getattr(cfg, "causal", False),
             recompute=recompute,
         )
+
+    @property
+    def kv_ratio(self) -> float:
+        return 1.0 if self.kv_heads is None else self.kv_heads / self.heads
 
     @property
     def passes(self) -> int:
@@ -135,6 +143,14 @@ def expected_max_normal(k: int) -> float:
     return float(np.sum(integrand) * (x[1] - x[0]))
 
 
+def qkv_units(k: int, heads: int, kv_heads: int) -> float:
+    """Bytes of q, k and v a member of a k-rank group exchanges, in units of its q bytes: its kv
+    heads are h_kv/k when k divides h_kv, else one replicated kv head (h_kv divides k)."""
+    hq = heads / k
+    hkv = kv_heads / k if kv_heads % k == 0 else 1.0
+    return 1.0 + 2.0 * hkv / hq
+
+
 def a2a_seconds(sent: np.ndarray, recv: np.ndarray, bw: float, latency: float) -> np.ndarray:
     """Per-rank time of one all-to-all class: latency (if the rank moves anything) + max(sent,
     received) / bandwidth."""
@@ -151,7 +167,11 @@ def _compute_seconds(f: RankFeatures, shape: ModelShape, hw: Hardware, profile: 
         mode = profile.meta.get("mode", "fwd+bwd")
         scale = shape.passes / (3 if mode == "fwd+bwd" else 1)
         return per_layer * shape.layers * scale
-    flops = shape.passes * shape.layers * layer_flops(f.tokens, f.attn, shape.dim, causal=shape.causal)
+    flops = (
+        shape.passes
+        * shape.layers
+        * layer_flops(f.tokens, f.attn, shape.dim, causal=shape.causal, kv_ratio=shape.kv_ratio)
+    )
     return flops / hw.achievable_flops
 
 
@@ -201,12 +221,17 @@ def predict_step(
         R = tokens[m] * bpt
         sent = R * (k - 1) / k
         recv = (R.sum() - R) / k
-        per_layer = a2a_seconds(3 * sent, 3 * recv, bw, lat) + a2a_seconds(sent, recv, bw, lat)
+        u = qkv_units(k, shape.heads, shape.kv_heads or shape.heads)
+        per_layer = a2a_seconds(u * sent, u * recv, bw, lat) + a2a_seconds(sent, recv, bw, lat)
         per_layer = per_layer + _ULYSSES_COPIES * 4 * R / hw.copy_bw
         ulysses[m] = per_layer * shape.layers * (shape.passes - 1)  # forward, backward (x2 wire), recompute
         sync[m] = hw.sync_jitter * expected_max_normal(k) / expected_max_normal(2) * compute[m]  # cached per k
     lens = plan.index.lengths
-    flops = float(shape.passes * shape.layers * transformer_flops(lens, shape.dim, causal=shape.causal).sum())
+    flops = float(
+        shape.passes
+        * shape.layers
+        * transformer_flops(lens, shape.dim, causal=shape.causal, kv_ratio=shape.kv_ratio).sum()
+    )
     return StepPrediction(compute, route, ulysses, sync, flops, int(lens.sum()), fixed_s)
 
 
@@ -254,5 +279,9 @@ def predict_unbalanced(
     if attn_backend == "sdpa_mask":  # one dense masked call over all of a rank's tokens
         feats = dataclasses.replace(feats, attn=feats.tokens**2)
     compute = _compute_seconds(feats, shape, hw, profile) / _speeds(rank_speed, S)
-    flops = float(shape.passes * shape.layers * transformer_flops(lens, shape.dim, causal=shape.causal).sum())
+    flops = float(
+        shape.passes
+        * shape.layers
+        * transformer_flops(lens, shape.dim, causal=shape.causal, kv_ratio=shape.kv_ratio).sum()
+    )
     return StepPrediction(compute, np.zeros(S), np.zeros(S), np.zeros(S), flops, int(lens.sum()), fixed_s)

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from knapformer.attention import varlen_attention
 from knapformer.config import BalancerConfig
-from knapformer.distributed import ops
+from knapformer.distributed import ops, ulysses
 from knapformer.distributed.agree import agree, digest62, group_device
 from knapformer.distributed.errors import BalancerConfigError, BalancerInputError, PlanMismatchError
 from knapformer.distributed.spec import RouteSpec, build_route_spec
@@ -118,6 +118,7 @@ class SequenceBalancer:
         self._agreed = False  # the current plan's digest has been agreed across ranks
         self._attn_sig: tuple | None = None  # agreed (heads, kv heads, head dim, dtype) of this plan
         self._pending = ""  # a local problem found where no agreement was possible; raised at the next one
+        self._call: ulysses.UlyssesCall | None = None  # the last pre_attn, for post_attn
 
     # -- settings --------------------------------------------------------------------------------
     @staticmethod
@@ -318,75 +319,90 @@ class SequenceBalancer:
         """(error, signature) of q, k, v against the plan, checked locally."""
         if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
             return "q, k, v must be tensors", ()
-        sig = (tuple(q.shape[1:]), tuple(k.shape[1:]), tuple(v.shape[1:]), str(q.dtype), str(k.dtype), str(v.dtype))
+        sig = (q.shape[1:], k.shape[1:], v.shape[1:], q.dtype, k.dtype, v.dtype)
+        if self._attn_sig is not None and sig == self._attn_sig[0] and q.shape[0] == spec.num_routed:
+            return "", sig  # this step's agreed shapes (checked when they were agreed): the per-layer fast path
+        shapes = f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-            return (
-                f"q, k, v must be (tokens, heads, head_dim); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}",
-                sig,
-            )
-        if k.shape != q.shape or v.shape[:2] != q.shape[:2]:
-            return (
-                f"q, k, v must be (tokens, heads, head_dim) of one shape; got {tuple(q.shape)}, "
-                f"{tuple(k.shape)}, {tuple(v.shape)}"
-            ), sig
+            return f"q, k, v must be (tokens, heads, head_dim); got {shapes}", sig
+        if not (q.shape[0] == k.shape[0] == v.shape[0]) or k.shape[1] != v.shape[1] or k.shape[2] != q.shape[2]:
+            return (f"q (R, h, D), k (R, h_kv, D) and v (R, h_kv, Dv) must share R, h_kv and D; got {shapes}"), sig
         if q.dtype != k.dtype or q.dtype != v.dtype:
             return f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}", sig
         if q.shape[0] != spec.num_routed:
             return f"q has {q.shape[0]} tokens on rank {self.group_rank}; routed tokens: {spec.num_routed}", sig
-        return "", sig
+        return ulysses.check_heads(q.shape[1], k.shape[1], spec), sig  # from the plan: the same everywhere
 
-    def pre_attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """(R, h, D) each -> (A, h/k, D) each, plus ``cu_seqlens`` (int32) and ``max_len``
-        for a custom varlen kernel. Checked as the module docstring says."""
+    def _pre(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> ulysses.UlyssesCall:
         _, spec = self._require_spec()
         error, sig = self._attn_problem(q, k, v, spec)
-        if not error:
-            error = ops.check_heads(q.shape[1], spec)  # from the plan: the same on every rank
         if self.debug or self._attn_sig is None or not self._agreed:
-            self._agree("pre_attn", error, attention_shapes=repr(sig) if not error else "?")
+            self._agree("pre_attn", error, attention_shapes=repr(tuple(map(str, sig))) if not error else "?")
             self._attn_sig = (sig, q.device)
         elif error or sig != self._attn_sig[0]:
             self._pending = self._pending or (
                 error or f"q/k/v shapes or dtypes {sig} differ from this step's {self._attn_sig[0]}"
             )
             q, k, v = self._zeros_like_agreed(spec)
-        q2, k2, v2 = ops.pre_attn((q, k, v), spec, self.group)
-        idx = spec.indices_on(q.device)
-        return q2, k2, v2, idx["cu_seqlens"], max(spec.attn_seq_lens, default=0)
+        return ulysses.pre_attn_batches(q, k, v, spec, self.group)
+
+    def _post(self, call: ulysses.UlyssesCall, outs: list[torch.Tensor]) -> torch.Tensor:
+        _, spec = self._require_spec()
+        error = ""
+        for b, o in zip(call.batches, outs):
+            expected = (b.q.shape[0], b.q.shape[1], b.v.shape[2])
+            if not isinstance(o, torch.Tensor) or tuple(o.shape) != expected or o.dtype != b.v.dtype:
+                got = (tuple(o.shape), o.dtype) if isinstance(o, torch.Tensor) else type(o).__name__
+                error = f"post_attn got {got} on rank {self.group_rank}, expected {expected} of {b.v.dtype}"
+                break
+        if self.debug:
+            self._agree("post_attn", error)
+        elif error:
+            self._pending = self._pending or error
+            outs = [b.v.new_zeros((b.q.shape[0], b.q.shape[1], b.v.shape[2])) for b in call.batches]
+        return ulysses.post_attn_batches(call, outs, spec, self.group)
+
+    def pre_attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Routed q (R, h, D), k/v (R, h_kv, ·) -> ``(q2, k2, v2, cu_seqlens, max_len)`` for one
+        custom varlen kernel call; :meth:`post_attn` takes its output. A rank whose sequences
+        all have one degree k (every bag layout) gets (A, h/k, ·) with its head slice; a rank
+        mixing degrees gets (sequence, query head) pairs of one head each. Checked as the module
+        docstring says."""
+        call = self._pre(q, k, v)
+        self._call = call
+        return ulysses.flatten_pairs(call)
+
+    def post_attn(self, o: torch.Tensor) -> torch.Tensor:
+        """Output of the kernel run on :meth:`pre_attn`'s tensors -> (R, h, Dv) in routed order."""
+        call = getattr(self, "_call", None)
+        if call is None:
+            raise RuntimeError("SequenceBalancer.post_attn: call pre_attn first (post_attn inverts it)")
+        self._call = None
+        single = len(call.batches) == 1
+        if isinstance(o, torch.Tensor) and not single:
+            n = sum(b.q.shape[0] * b.q.shape[1] for b in call.batches)
+            if tuple(o.shape) == (n, 1, call.heads[3]):
+                return self._post(call, ulysses.unflatten_pairs(o, call))
+            o = None  # reported below with the expected per-batch shapes
+        return self._post(call, [o] if single else [o] * len(call.batches))
 
     def _zeros_like_agreed(self, spec: RouteSpec):
         """Well-formed stand-ins for q, k, v of this step's agreed shapes (so the exchange the
         other ranks are in completes; the error is raised at the next agreement point)."""
         (qs, ks, vs, qd, kd, vd), device = self._attn_sig  # type: ignore[misc]
         R = spec.num_routed
-        return tuple(
-            torch.zeros((R, *s), dtype=getattr(torch, d.replace("torch.", "")), device=device)
-            for s, d in ((qs, qd), (ks, kd), (vs, vd))
-        )
-
-    def post_attn(self, o: torch.Tensor) -> torch.Tensor:
-        """(A, h/k, D) -> (R, h, D); inverse of :meth:`pre_attn`."""
-        _, spec = self._require_spec()
-        if self._attn_sig is None:
-            raise RuntimeError("SequenceBalancer.post_attn: call pre_attn first (post_attn inverts it)")
-        (qs, _, vs, _, _, vd), device = self._attn_sig
-        expected = ops.attn_output_shape(spec, qs[0], vs[1])
-        error = ""
-        if not isinstance(o, torch.Tensor) or tuple(o.shape) != expected or str(o.dtype) != vd:
-            got = (tuple(o.shape), o.dtype) if isinstance(o, torch.Tensor) else type(o).__name__
-            error = f"post_attn got {got} on rank {self.group_rank}, expected {expected} of {vd}"
-        if self.debug:
-            self._agree("post_attn", error)
-        elif error:
-            self._pending = self._pending or error
-            o = torch.zeros(expected, dtype=getattr(torch, vd.replace("torch.", "")), device=device)
-        return ops.post_attn((o,), spec, self.group)[0]
+        return tuple(torch.zeros((R, *s), dtype=d, device=device) for s, d in ((qs, qd), (ks, kd), (vs, vd)))
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
-        """Attention of routed tokens within their own sequences: (R, h, D) -> (R, h, D)."""
-        q2, k2, v2, cu, max_len = self.pre_attn(q, k, v)
-        o2 = varlen_attention(q2, k2, v2, cu, max_len, causal=causal, backend=self.config.attn_backend)
-        return self.post_attn(o2)
+        """Attention of routed tokens within their own sequences: q (R, h, D), k/v (R, h_kv, ·)
+        -> (R, h, Dv); one varlen call per parallel degree on this rank."""
+        call = self._pre(q, k, v)
+        backend = self.config.attn_backend
+        outs = [
+            varlen_attention(b.q, b.k, b.v, b.cu_seqlens, b.max_len, causal=causal, backend=backend)
+            for b in call.batches
+        ]
+        return self._post(call, outs)
 
     def gather_sequences(self, *per_seq: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Per-sequence rows of every rank of the group, in group sequence-id order: (n_local,

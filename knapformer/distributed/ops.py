@@ -1,24 +1,24 @@
-"""Differentiable exchanges over a balancing group, driven by a :class:`RouteSpec`.
+"""Differentiable token exchanges over a balancing group, driven by a :class:`RouteSpec`.
 
 Each public function pairs with a private autograd ``Function`` doing exactly one
-``all_to_all_single``; its backward is the opposite exchange of gradients.
+``all_to_all_single`` per dtype; its backward is the opposite exchange of gradients. The
+Ulysses exchanges around attention live in :mod:`.ulysses`.
 
-Shapes (T local tokens, R routed, A attention tokens, h heads, k bag size, D head dim):
+Shapes (T local tokens, R routed tokens, n sequences):
 
 =================  ===========================  ===========================  ==================
 function           input                        output                       backward exchange
 =================  ===========================  ===========================  ==================
 route              (T, *F) any dtype            (R, *F) same dtype           reverse route
 reverse_route      (R, *F)                      (T, *F)                      route
-pre_attn (each)    (R, h, D)                    (A, h/k, D)                  post_attn
-post_attn          (A, h/k, D)                  (R, h, D)                    pre_attn
+gather_sequences   (n_local, *F)                (n_group, *F)                reverse (summed)
 =================  ===========================  ===========================  ==================
 
 Several tensors routed together share one collective per dtype: they are flattened to
 (T, f_i), concatenated along features, exchanged, and split — no dtype is promoted (bf16
 stays bf16, int64 never passes through a float), bool travels as uint8. Row permutations
-(route's send order, Ulysses's attention order) are applied once to the packed buffer by
-:func:`permute_rows`, whose backward is a gather too.
+(route's send order, and on receipt the routed order when a rank is in several groups) are
+applied once to the packed buffer by :func:`permute_rows`, whose backward is a gather too.
 """
 
 from __future__ import annotations
@@ -31,17 +31,7 @@ import torch.distributed as dist
 
 from knapformer.distributed.spec import RouteSpec
 
-__all__ = [
-    "all_to_all",
-    "attn_output_shape",
-    "permute_rows",
-    "route",
-    "reverse_route",
-    "pre_attn",
-    "post_attn",
-    "check_heads",
-    "gather_sequences",
-]
+__all__ = ["all_to_all", "gather_sequences", "permute_rows", "reverse_route", "route"]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -143,23 +133,31 @@ def _packed_exchange(
 def route(tensors: Sequence[torch.Tensor], spec: RouteSpec, group=None) -> list[torch.Tensor]:
     """Local order -> routed order for each tensor (T, *F) -> (R, *F)."""
     idx = spec.indices_on(tensors[0].device)
+    after = _identity
+    if spec.recv_index is not None:  # a rank in several groups: received by source, routed by group
+        after = lambda p: permute_rows(p, idx["recv_index"], idx["recv_inverse"])  # noqa: E731
     return _packed_exchange(
         tensors,
         spec.send_splits,
         spec.recv_splits,
         group,
         rows_before=lambda p: permute_rows(p, idx["send_index"], idx["send_inverse"]),
+        rows_after=after,
     )
 
 
 def reverse_route(tensors: Sequence[torch.Tensor], spec: RouteSpec, group=None) -> list[torch.Tensor]:
     """Routed order -> local order for each tensor (R, *F) -> (T, *F); inverse of :func:`route`."""
     idx = spec.indices_on(tensors[0].device)
+    before = _identity
+    if spec.recv_index is not None:
+        before = lambda p: permute_rows(p, idx["recv_inverse"], idx["recv_index"])  # noqa: E731
     return _packed_exchange(
         tensors,
         spec.recv_splits,
         spec.send_splits,
         group,
+        rows_before=before,
         rows_after=lambda p: permute_rows(p, idx["send_inverse"], idx["send_index"]),
     )
 
@@ -175,79 +173,4 @@ def gather_sequences(tensors: Sequence[torch.Tensor], counts: list[int], rank: i
         list(counts),
         group,
         before=lambda t: _rows_by_features(t).repeat(S, 1),
-    )
-
-
-def check_heads(num_heads: int, spec: RouteSpec) -> str:
-    """Why ``num_heads`` cannot run this plan ("" if it can): every group size must divide the
-    head count. Decided from the plan, identically on every rank."""
-    bad = [k for k in spec.all_bag_sizes if num_heads % k]
-    if bad:
-        return (
-            f"{num_heads} attention heads cannot be split evenly over bag size {bad[0]} "
-            f"(bag sizes in this plan: {list(spec.all_bag_sizes)})"
-        )
-    return ""
-
-
-def attn_output_shape(spec: RouteSpec, num_heads: int, head_dim: int) -> tuple[int, int, int]:
-    """Shape :func:`post_attn` expects: attention tokens × this rank's heads × head dim."""
-    return (spec.num_attn, num_heads // spec.bag_size, head_dim)
-
-
-def pre_attn(tensors: Sequence[torch.Tensor], spec: RouteSpec, group=None) -> list[torch.Tensor]:
-    """(R, h, D_i) chunks × all heads -> (A, h/k, D_i) whole sequences × this rank's heads.
-
-    q, k and v travel packed: one copy groups them by destination member, one row permutation
-    puts the received rows in attention order, and the outputs are strided views of that
-    buffer (SDPA and flash-attn accept them)."""
-    h = tensors[0].shape[1]
-    error = check_heads(h, spec)
-    if error:
-        raise ValueError(error)
-    if not spec.any_multi_rank_bag:
-        return list(tensors)
-    k = spec.bag_size
-    idx = spec.indices_on(tensors[0].device)
-
-    def before(t: torch.Tensor) -> torch.Tensor:  # (R, h, D) -> (k, R, h/k * D), a view by member
-        R, _, D = t.shape
-        t = t.reshape(R, k, (h // k) * D)
-        if not spec.heads_in_order:
-            t = t.index_select(1, idx["head_order"])
-        return t.transpose(0, 1)
-
-    return _packed_exchange(
-        tensors,
-        spec.attn_send_splits,
-        spec.attn_recv_splits,
-        group,
-        before=before,
-        rows_after=lambda p: permute_rows(p, idx["attn_index"], idx["attn_inverse"]),
-        after=lambda piece, t: piece.unflatten(1, (h // k, t.shape[2])),
-    )
-
-
-def post_attn(tensors: Sequence[torch.Tensor], spec: RouteSpec, group=None) -> list[torch.Tensor]:
-    """(A, h/k, D) -> (R, h, D); inverse of :func:`pre_attn`."""
-    if not spec.any_multi_rank_bag:
-        return list(tensors)
-    k = spec.bag_size
-    R = spec.num_routed
-    idx = spec.indices_on(tensors[0].device)
-
-    def after(piece: torch.Tensor, t: torch.Tensor) -> torch.Tensor:  # (k*R, h/k*D) by member -> (R, h, D)
-        hk, D = t.shape[1], t.shape[2]
-        piece = piece.reshape(k, R, hk * D)
-        if not spec.heads_in_order:
-            piece = piece.index_select(0, idx["head_inverse"])
-        return piece.transpose(0, 1).reshape(R, k * hk, D)
-
-    return _packed_exchange(
-        tensors,
-        spec.attn_recv_splits,
-        spec.attn_send_splits,
-        group,
-        rows_before=lambda p: permute_rows(p, idx["attn_inverse"], idx["attn_index"]),
-        after=after,
     )

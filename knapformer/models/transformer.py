@@ -28,7 +28,7 @@ class Block(nn.Module):
         self.cfg = cfg
         D, H = cfg.dim, cfg.num_heads
         self.norm1, self.norm2 = RMSNorm(D), RMSNorm(D)
-        self.qkv = nn.Linear(D, 3 * D, bias=False)
+        self.qkv = nn.Linear(D, D + 2 * cfg.kv_heads * (D // H), bias=False)  # q, then k and v (GQA)
         self.q_norm, self.k_norm = RMSNorm(D // H), RMSNorm(D // H)
         self.proj = nn.Linear(D, D, bias=False)
         self.mlp = SwiGLU(D, int(cfg.mlp_ratio * D))
@@ -36,7 +36,8 @@ class Block(nn.Module):
     def forward(self, x_RD: torch.Tensor, pos_R: torch.Tensor, ex: TokenExecutor) -> torch.Tensor:
         R, D = x_RD.shape
         H = self.cfg.num_heads
-        q, k, v = self.qkv(self.norm1(x_RD)).view(R, 3, H, D // H).unbind(1)
+        Dh, Hkv = D // H, self.cfg.kv_heads
+        q, k, v = self.qkv(self.norm1(x_RD)).view(R, H + 2 * Hkv, Dh).split([H, Hkv, Hkv], dim=1)
         q, k = apply_rope(self.q_norm(q), pos_R), apply_rope(self.k_norm(k), pos_R)
         o = ex.attention(q, k, v, causal=self.cfg.causal)
         x_RD = x_RD + self.proj(o.reshape(R, D))

@@ -9,7 +9,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from knapformer.layout import BagLayout
-from knapformer.plan.plan import InvalidPlanError, Plan, RankFeatures, build_plan, chunk_table, rank_features
+from knapformer.plan.plan import (
+    InvalidPlanError,
+    Plan,
+    RankFeatures,
+    build_plan,
+    chunk_table,
+    plan_from_groups,
+    rank_features,
+)
 from knapformer.plan.problem import PlanProblem, SolverOptions, validate_seq_lens
 from knapformer.plan.seqindex import SeqIndex
 from knapformer.plan.solvers import DEFAULT_SOLVER, SOLVERS, SolverInfo, get_solver
@@ -28,6 +36,7 @@ __all__ = [
     "build_plan",
     "chunk_table",
     "get_solver",
+    "plan_from_groups",
     "plan_sequences",
     "rank_features",
     "validate_seq_lens",

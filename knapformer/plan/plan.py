@@ -43,6 +43,8 @@ __all__ = [
     "RankFeatures",
     "build_plan",
     "chunk_table",
+    "moldable_lower_bound",
+    "plan_from_groups",
     "rank_features",
     "spread_over_groups",
 ]
@@ -436,3 +438,41 @@ def build_plan(
                 f"solver {solver!r} put {int(tok[worst])} tokens on rank {worst}, over max_tokens_per_rank={cap}"
             )
     return plan
+
+
+def plan_from_groups(
+    seq_lens,
+    groups,
+    seq_group,
+    model: WorkloadModel,
+    *,
+    rank_speed=None,
+    max_tokens_per_rank: int | None = None,
+    solver: str = "manual",
+) -> Plan:
+    """A plan with the groups you choose: sequence ``g`` runs on ``groups[seq_group[g]]``
+    (ordered, distinct ranks; groups may overlap). Chunking, costs and the lower bound are the
+    planner's own (the bound allows every group size up to the whole group), so the result
+    validates and runs with ``SequenceBalancer.use_plan``."""
+    S = len(seq_lens)
+    layout = f"g1n{S}"
+    problem = PlanProblem(
+        seq_lens=seq_lens, layout=layout, model=model, rank_speed=rank_speed, max_tokens_per_rank=max_tokens_per_rank
+    )
+    plan = build_plan(problem, np.asarray(seq_group, dtype=np.int64), solver=solver, groups=groups)
+    object.__setattr__(plan, "lower_bound", moldable_lower_bound(problem, range(1, S + 1)))
+    return plan
+
+
+def moldable_lower_bound(problem: PlanProblem, degrees) -> float:
+    """A makespan no plan with groups of the given sizes can beat: the larger of the fluid bound
+    (all work over all speed) and, per sequence, its cheapest group size's busiest member."""
+    if problem.num_seqs == 0:
+        return 0.0
+    L = problem.lengths
+    fastest = float(problem.speed.max())
+    best = np.full(problem.num_seqs, np.inf)
+    for k in sorted(set(int(k) for k in degrees)):
+        t = problem.model.chunk_cost(-(-L // k), L, k) / fastest
+        np.minimum(best, t, out=best)
+    return max(float(problem.work.sum() / problem.speed.sum()), float(best.max()))

@@ -1,0 +1,325 @@
+"""Ulysses exchanges around attention, for groups of any size that may overlap (GQA/MQA too).
+
+Before attention every member of a k-rank group needs all L tokens of the group's sequences
+for its h/k query heads (and its kv heads); after attention each member's output heads go
+back to the tokens' owners. One ``all_to_all_single`` per direction moves every group's rows
+at once: the exchange is 1-D with splits in elements, because rows of different degrees
+(h/k heads) and of q, k, v (fewer kv heads under GQA) have different widths.
+
+============================  ==============================  =================================
+function                      input                           output
+============================  ==============================  =================================
+pre_attn_batches              q (R, h, D), k/v (R, h_kv, ·)   per degree: (A_k, h/k, ·) tensors
+post_attn_batches             per degree: (A_k, h/k, Dv)      (R, h, Dv)
+============================  ==============================  =================================
+
+Sequences a rank runs alone (its single-rank group, the first ``local_tokens`` routed rows)
+never enter the exchange: they are attention batch "degree 1" as views of the inputs.
+
+Copies per direction: one pass packs the send buffer (strided copies of (peer, group) slots,
+:class:`_Pack`), one gather puts the received rows in attention order (:class:`_GatherRows`);
+post attention scatters the outputs into the send buffer (:class:`_ScatterRows`) and copies
+the received slots into place (:class:`_Unpack`). Each ``Function``'s backward is the other
+direction's copy, and the gradient of an all-to-all is the opposite all-to-all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from knapformer.distributed.ops import all_to_all, permute_rows
+from knapformer.distributed.spec import RouteSpec, UlyssesLayout, heads_error
+
+__all__ = [
+    "AttnBatch",
+    "UlyssesCall",
+    "check_heads",
+    "flatten_pairs",
+    "post_attn_batches",
+    "pre_attn_batches",
+    "unflatten_pairs",
+]
+
+
+@dataclass
+class AttnBatch:
+    """One varlen attention call: sequences of one degree with this rank's heads of them."""
+
+    degree: int
+    q: torch.Tensor  # (A, hq, D)
+    k: torch.Tensor  # (A, hkv, D)
+    v: torch.Tensor  # (A, hkv, Dv)
+    cu_seqlens: torch.Tensor  # (n + 1,) int32
+    max_len: int
+
+
+def check_heads(h: int, h_kv: int, spec: RouteSpec) -> str:
+    """Why these head counts cannot run the plan ("" if they can); the same on every rank."""
+    return heads_error(spec.group_sizes, h, h_kv)
+
+
+def _slot(buf: torch.Tensor, off: int, n: int, width: int) -> torch.Tensor:
+    return buf[off : off + n * width].view(n, width)
+
+
+class _Pack(torch.autograd.Function):
+    """q, k, v rows (R_m, ·, ·) -> the flat pre-attention send buffer, by copy segments; backward
+    copies the gradient segments back (adding where a kv head was sent to several members)."""
+
+    @staticmethod
+    def forward(ctx, layout: UlyssesLayout, lo: int, replicated: bool, q, k, v):  # type: ignore[override]
+        ctx.layout, ctx.lo, ctx.replicated = layout, lo, replicated
+        ctx.shapes = [t.shape for t in (q, k, v)]
+        tensors = (q, k, v)
+        buf = q.new_empty(sum(layout.pre_send))
+        if layout.one_group is not None:  # one (k, rows, width) block: one strided cat
+            r0, r1, g, order = layout.one_group
+            parts = [_by_member(t[r0 - lo : r1 - lo], g, order) for t in tensors]
+            torch.cat(parts, dim=-1, out=buf.view(g, r1 - r0, -1))
+            return buf
+        for t, r0, r1, h0, h1, off, width, f in layout.pre_segments:
+            src = tensors[t][r0 - lo : r1 - lo, h0:h1]
+            dst = _slot(buf, off, r1 - r0, width)[:, f : f + src.shape[1] * src.shape[2]]
+            dst.view(src.shape).copy_(src)
+        return buf
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        layout, lo = ctx.layout, ctx.lo
+        if layout.one_group is not None:
+            r0, r1, g, order = layout.one_group
+            widths = [s[1] * s[2] // g for s in ctx.shapes]
+            pieces = torch.split(grad.view(g, r1 - r0, -1), widths, dim=-1)
+            grads = [_from_members(p, g, order, s) for p, s in zip(pieces, ctx.shapes)]
+            return None, None, None, *grads
+        grads = [
+            grad.new_zeros(s) if (i > 0 and ctx.replicated) else grad.new_empty(s) for i, s in enumerate(ctx.shapes)
+        ]
+        for t, r0, r1, h0, h1, off, width, f in layout.pre_segments:
+            dst = grads[t][r0 - lo : r1 - lo, h0:h1]
+            src = _slot(grad, off, r1 - r0, width)[:, f : f + dst.shape[1] * dst.shape[2]].view(dst.shape)
+            if t > 0 and ctx.replicated:
+                dst.add_(src)
+            else:
+                dst.copy_(src)
+        return None, None, None, *grads
+
+
+def _by_member(t: torch.Tensor, k: int, order) -> torch.Tensor:
+    """(n, h, D) -> (k, n, h/k·D): a view by member (head group), in ascending peer rank order."""
+    n, h, d = t.shape
+    x = t.reshape(n, k, (h // k) * d)
+    if list(order) != list(range(k)):
+        x = x.index_select(1, torch.tensor(order, device=t.device))
+    return x.transpose(0, 1)
+
+
+def _from_members(x: torch.Tensor, k: int, order, shape) -> torch.Tensor:
+    """Inverse of :func:`_by_member`: (k, n, w) blocks in peer order -> (n, h, D) (one copy)."""
+    x = x.transpose(0, 1)
+    if list(order) != list(range(k)):
+        inverse = [0] * k
+        for i, j in enumerate(order):
+            inverse[j] = i
+        x = x.index_select(1, torch.tensor(inverse, device=x.device))
+    return x.reshape(shape)
+
+
+class _Unpack(torch.autograd.Function):
+    """Flat post-attention receive buffer -> outputs (R_m, h, Dv) of the multi-rank rows."""
+
+    @staticmethod
+    def forward(ctx, layout: UlyssesLayout, lo: int, shape, buf):  # type: ignore[override]
+        ctx.layout, ctx.lo, ctx.n = layout, lo, buf.shape[0]
+        if layout.one_group is not None:
+            r0, r1, g, order = layout.one_group
+            return _from_members(buf.view(g, r1 - r0, -1), g, order, shape)
+        out = buf.new_empty(shape)
+        dv = shape[2]
+        for off, width, r0, r1, h0, h1 in layout.post_segments:
+            out[r0 - lo : r1 - lo, h0:h1].copy_(_slot(buf, off, r1 - r0, width).view(r1 - r0, h1 - h0, dv))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        layout, lo = ctx.layout, ctx.lo
+        if layout.one_group is not None:
+            r0, r1, k, order = layout.one_group
+            return None, None, None, _by_member(grad, k, order).contiguous().view(-1)
+        g = grad.new_empty(ctx.n)
+        dv = grad.shape[2]
+        for off, width, r0, r1, h0, h1 in layout.post_segments:
+            _slot(g, off, r1 - r0, width).view(r1 - r0, h1 - h0, dv).copy_(grad[r0 - lo : r1 - lo, h0:h1])
+        return None, None, None, g
+
+
+class _GatherRows(torch.autograd.Function):
+    """Rows of a buffer (N, g) -> one tensor per index list; the lists together use every row
+    once, so the backward scatters into an uninitialised buffer."""
+
+    @staticmethod
+    def forward(ctx, n: int, *args):  # type: ignore[override]
+        buf, indices = args[0], args[1:]
+        ctx.save_for_backward(*indices)
+        ctx.n = n
+        return tuple(buf.index_select(0, i) for i in indices)
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        indices = ctx.saved_tensors
+        g = grads[0].new_empty((ctx.n, grads[0].shape[1]))
+        for i, gi in zip(indices, grads):
+            g.index_copy_(0, i, gi)
+        return None, g, *([None] * len(indices))
+
+
+class _ScatterRows(torch.autograd.Function):
+    """Tensors (n_k, g) -> rows ``indices[k]`` of a buffer (N, g) that they fill exactly."""
+
+    @staticmethod
+    def forward(ctx, n: int, num: int, *args):  # type: ignore[override]
+        xs, indices = args[:num], args[num:]
+        ctx.save_for_backward(*indices)
+        out = xs[0].new_empty((n, xs[0].shape[1]))
+        for x, i in zip(xs, indices):
+            out.index_copy_(0, i, x)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        indices = ctx.saved_tensors
+        return None, None, *(grad.index_select(0, i) for i in indices), *([None] * len(indices))
+
+
+@dataclass
+class UlyssesCall:
+    """What :func:`pre_attn_batches` hands to :func:`post_attn_batches` for one layer."""
+
+    batches: list[AttnBatch]
+    heads: tuple[int, int, int, int]
+    """(h, h_kv, D, Dv) of this layer."""
+    received: torch.Tensor | None
+    """The pre-attention receive buffer (None when the plan has no multi-rank group)."""
+
+
+def pre_attn_batches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: RouteSpec, group=None) -> UlyssesCall:
+    """Routed q (R, h, D), k (R, h_kv, D), v (R, h_kv, Dv) -> the attention batches of this rank:
+    its single-rank sequences (views, no copy), then one batch per multi-rank degree."""
+    heads = (q.shape[1], k.shape[1], q.shape[2], v.shape[2])
+    h, h_kv, d, dv = heads
+    lay = spec.ulysses(h, h_kv, d, dv) if spec.has_ulysses else None  # checks the heads on first use
+    idx = spec.indices_on(q.device)
+    if not spec.has_ulysses:  # nothing of the plan needs an exchange: every row is run alone
+        local = AttnBatch(1, q, k, v, idx["local_cu_seqlens"], max(spec.local_seq_lens, default=0))
+        return UlyssesCall([local], heads, None)
+    n1, R = spec.local_tokens, q.shape[0]
+    batches = []
+    if n1 == 0:
+        qm, km, vm = q, k, v
+    else:
+        (q1, qm), (k1, km), (v1, vm) = (torch.split(t, [n1, R - n1]) for t in (q, k, v))
+    if spec.local_seq_lens:
+        batches.append(AttnBatch(1, q1, k1, v1, idx["local_cu_seqlens"], max(spec.local_seq_lens)))
+    send = _Pack.apply(lay, n1, lay.replicated, qm, km, vm)
+    recv = all_to_all(send, lay.pre_send, lay.pre_recv, group)
+    if lay.degrees:
+        gathers, _, cus = lay.indices_on(q.device)
+        rows = recv.view(-1, lay.pre_rows)
+        parts = _GatherRows.apply(rows.shape[0], rows, *gathers)
+        for deg, (hq, hkv, w), part, cu, mx in zip(lay.degrees, lay.widths, parts, cus, lay.max_len):
+            x = part.view(-1, w)
+            qs = x[:, : hq * d].unflatten(1, (hq, d))
+            ks = x[:, hq * d : hq * d + hkv * d].unflatten(1, (hkv, d))
+            vs = x[:, hq * d + hkv * d :].unflatten(1, (hkv, dv))
+            batches.append(AttnBatch(deg, qs, ks, vs, cu, mx))
+    return UlyssesCall(batches, heads, recv)
+
+
+def post_attn_batches(call: UlyssesCall, outs: list[torch.Tensor], spec: RouteSpec, group=None) -> torch.Tensor:
+    """Outputs of ``call.batches`` (each (A_k, h/k, Dv)) -> (R, h, Dv) in routed order."""
+    if call.received is None:
+        return outs[0]
+    h, h_kv, d, dv = call.heads
+    lay = spec.ulysses(h, h_kv, d, dv)
+    local = [o for b, o in zip(call.batches, outs) if b.degree == 1]
+    multi = [o for b, o in zip(call.batches, outs) if b.degree > 1]
+    if len(multi) == 1:  # one degree: the scatter is a permutation, applied as a gather
+        _, (scatter, inverse), _ = lay.indices_on(multi[0].device)
+        send = permute_rows(multi[0].reshape(-1, lay.post_rows), inverse, scatter).reshape(-1)
+    elif multi:
+        _, scatters, _ = lay.indices_on(multi[0].device)
+        xs = [o.reshape(-1, lay.post_rows) for o in multi]
+        send = _ScatterRows.apply(sum(lay.post_send) // lay.post_rows, len(xs), *xs, *scatters).reshape(-1)
+    else:
+        # nothing to send back; the empty buffer still hangs off the pre exchange so that this
+        # rank joins both backward exchanges the other ranks are in
+        send = call.received[:0].to(outs[0].dtype) if outs else call.received[:0]
+    recv = all_to_all(send, lay.post_send, lay.post_recv, group)
+    n1 = spec.local_tokens
+    out_m = _Unpack.apply(lay, n1, (spec.num_routed - n1, h, dv), recv)
+    return torch.cat([local[0], out_m]) if local else out_m
+
+
+def _pair_index(batch: AttnBatch) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Rows of ``q.view(A * hq, D)`` and ``k.view(A * hkv, D)`` in (sequence, query head, token)
+    order, and the pair lengths."""
+    A, hq = batch.q.shape[0], batch.q.shape[1]
+    hkv = batch.k.shape[1]
+    ratio = hq // hkv
+    cu = batch.cu_seqlens.tolist()
+    device = batch.q.device
+    q_rows, k_rows, lens = [], [], []
+    for c0, c1 in zip(cu[:-1], cu[1:]):
+        t = torch.arange(c0, c1, device=device)
+        for j in range(hq):
+            q_rows.append(t * hq + j)
+            k_rows.append(t * hkv + j // ratio)
+            lens.append(c1 - c0)
+    if not q_rows:
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        return empty, empty, []
+    del A
+    return torch.cat(q_rows), torch.cat(k_rows), lens
+
+
+def flatten_pairs(call: UlyssesCall):
+    """All batches as one varlen call over (sequence, query head) pairs of one head each (kv
+    heads copied per query head): ``(q, k, v, cu_seqlens, max_len)`` for a custom kernel. A rank
+    with one batch gets that batch as it is."""
+    if len(call.batches) == 1:
+        b = call.batches[0]
+        return b.q, b.k, b.v, b.cu_seqlens, b.max_len
+    if not call.batches:  # a rank with no sequences this step: empty, but in the graph
+        h, h_kv, d, dv = call.heads
+        z = call.received[:0]
+        cu = torch.zeros(1, dtype=torch.int32, device=z.device)
+        return z.view(0, 1, d), z.view(0, 1, d), z.view(0, 1, dv), cu, 0
+    qs, ks, vs, lens = [], [], [], []
+    for b in call.batches:
+        qi, ki, li = _pair_index(b)
+        qs.append(b.q.reshape(-1, b.q.shape[2]).index_select(0, qi))
+        ks.append(b.k.reshape(-1, b.k.shape[2]).index_select(0, ki))
+        vs.append(b.v.reshape(-1, b.v.shape[2]).index_select(0, ki))
+        lens += li
+    device = call.batches[0].q.device
+    cu = torch.tensor([0, *torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    return (torch.cat(qs)[:, None], torch.cat(ks)[:, None], torch.cat(vs)[:, None], cu, max(lens, default=0))
+
+
+def unflatten_pairs(o: torch.Tensor, call: UlyssesCall) -> list[torch.Tensor]:
+    """Inverse of :func:`flatten_pairs` for the attention output (N, 1, Dv) -> per batch."""
+    if len(call.batches) == 1:
+        return [o]
+    outs, start = [], 0  # (no batches: nothing to return)
+    dv = o.shape[2]
+    for b in call.batches:
+        qi, _, _ = _pair_index(b)
+        n = qi.numel()
+        part = o[start : start + n, 0]
+        full = part.new_empty((b.q.shape[0] * b.q.shape[1], dv))
+        full = full.index_copy(0, qi, part)
+        outs.append(full.view(b.q.shape[0], b.q.shape[1], dv))
+        start += n
+    return outs

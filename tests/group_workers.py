@@ -1,0 +1,177 @@
+"""Workers for the per-sequence group tests: plans whose groups overlap, change every step and
+have any size the heads allow; GQA/MQA. Every rank builds the same random plans from a seed,
+runs them with ``use_plan`` and compares with one-process per-sequence math."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from knapformer import SequenceBalancer, WorkloadModel
+from knapformer.distributed import BalancerInputError
+from knapformer.plan import plan_from_groups
+from knapformer.testing import reference_attention
+
+MODEL = WorkloadModel(d_model=48)
+
+
+def random_group_plan(world: int, seed: int, sizes: tuple[int, ...]):
+    """Lengths with empty ranks, 1-token sequences and long ones; each sequence on a random
+    ordered set of distinct ranks whose size is drawn from ``sizes``. A fixed part makes rank 0
+    hold whole sequences alone *and* chunks of groups of size 2 (and 4 when world >= 4) with
+    different partners in the same step."""
+    rng = np.random.default_rng(seed)
+    lens = [
+        [int(rng.choice([1, 2, 5, int(rng.integers(6, 70))])) for _ in range(int(rng.integers(0, 4)))]
+        for _ in range(world)
+    ]
+    lens[world - 1] = []  # a rank that contributes nothing
+    lens[0] += [9, 33, 1, 57]
+    groups, seq_group = [], []
+
+    def group_id(members):
+        members = tuple(int(m) for m in members)
+        if members not in groups:
+            groups.append(members)
+        return groups.index(members)
+
+    fixed = [(0,), (0, 1), (1, 0)] + ([(3, 0, 2, 1)] if world >= 4 else [])
+    n = sum(map(len, lens))
+    for g in range(n):
+        if g >= n - 4:  # the four sequences appended to rank 0
+            members = fixed[(g - (n - 4)) % len(fixed)]
+        else:
+            k = int(rng.choice(sizes))
+            members = rng.permutation(world)[:k]
+        seq_group.append(group_id(members))
+    # the last rank holds nothing unless some group gives it a chunk; keep one rank idle when
+    # possible by never choosing it for the fixed sequences (above) — random groups may use it
+    return plan_from_groups(lens, groups, seq_group, MODEL)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, what: str, tol: float) -> None:
+    err = (a - b).abs().max().item() if a.numel() else 0.0
+    scale = max(1.0, b.abs().max().item() if b.numel() else 1.0)
+    assert err <= tol * scale, f"{what}: max error {err:.3e}"
+
+
+def _mine(plan, rank):
+    start = sum(sum(r) for r in plan.seq_lens[:rank])
+    return slice(start, start + sum(plan.seq_lens[rank]))
+
+
+def check_overlapping_groups(rank: int, world: int, heads: int, kv_heads: int, sizes, steps: int, seed: int) -> dict:
+    """Round trips bit-exact (fp32, bf16, int64, bool); attention, causal and not, and the
+    gradients of a qkv -> attention -> projection layer equal one process (fp64)."""
+    bal = SequenceBalancer(f"g1n{world}", MODEL)
+    D = 4
+    seen = {"mixed_rank": False, "idle_rank": False}
+    for step in range(steps):
+        plan = random_group_plan(world, seed + step, sizes)
+        plan.validate()
+        bal.use_plan(plan)
+        lens = [n for r in plan.seq_lens for n in r]
+        total, mine = sum(lens), _mine(plan, rank)
+        g = torch.Generator().manual_seed(seed + step)
+        # -- round trips, every dtype in one call
+        xs = (
+            torch.randn(total, 3, generator=g)[mine],
+            torch.randn(total, 2, 2, generator=g).to(torch.bfloat16)[mine],
+            torch.randint(-(2**62), 2**62, (total,), generator=g)[mine],
+            (torch.randn(total, generator=g) > 0)[mine],
+        )
+        back = bal.reverse_route(*bal.route(*xs))
+        for a, b in zip(back, xs):
+            assert a.dtype == b.dtype and torch.equal(a, b), "reverse_route(route(x)) != x"
+        # -- attention
+        q = torch.randn(total, heads, D, generator=g, dtype=torch.float64)
+        k = torch.randn(total, kv_heads, D, generator=g, dtype=torch.float64)
+        v = torch.randn(total, kv_heads, D + 2, generator=g, dtype=torch.float64)
+        for causal in (False, True):
+            ref = reference_attention(q, k, v, lens, causal=causal)[mine]
+            out = bal.reverse_route(bal.attention(*bal.route(q[mine], k[mine], v[mine]), causal=causal))
+            _close(out, ref, f"step {step} attention causal={causal}", 1e-10)
+        # -- the custom-kernel path: pre_attn -> one varlen call -> post_attn
+        from knapformer.attention import varlen_attention
+
+        q2, k2, v2, cu, mx = bal.pre_attn(*bal.route(q[mine], k[mine], v[mine]))
+        out = bal.reverse_route(bal.post_attn(varlen_attention(q2, k2, v2, cu, mx)))
+        _close(out, reference_attention(q, k, v, lens)[mine], f"step {step} pre_attn/post_attn", 1e-10)
+        # -- gradients through qkv projection, attention, output projection
+        F = 6
+        x = torch.randn(total, F, generator=g, dtype=torch.float64)
+        wq = torch.randn(F, heads * D, generator=g, dtype=torch.float64)
+        wk = torch.randn(F, kv_heads * D, generator=g, dtype=torch.float64)
+        wv = torch.randn(F, kv_heads * (D + 2), generator=g, dtype=torch.float64)
+        wo = torch.randn(heads * (D + 2), F, generator=g, dtype=torch.float64)
+        target = torch.randn(total, F, generator=g, dtype=torch.float64)
+
+        def layer(xs, ws, attend):
+            n = xs.shape[0]
+            qq = (xs @ ws[0]).view(n, heads, D)
+            kk = (xs @ ws[1]).view(n, kv_heads, D)
+            vv = (xs @ ws[2]).view(n, kv_heads, D + 2)
+            return attend(qq, kk, vv).reshape(n, heads * (D + 2)) @ ws[3]
+
+        ref_x = x.clone().requires_grad_()
+        ref_w = [w.clone().requires_grad_() for w in (wq, wk, wv, wo)]
+        out_r = layer(ref_x, ref_w, lambda a, b, c, lens=lens: reference_attention(a, b, c, lens, causal=True))
+        (out_r * target).sum().backward()
+        bx = x[mine].clone().requires_grad_()
+        bw = [w.clone().requires_grad_() for w in (wq, wk, wv, wo)]
+        out_b = bal.reverse_route(layer(bal.route(bx), bw, lambda a, b, c: bal.attention(a, b, c, causal=True)))
+        _close(out_b, out_r.detach()[mine], f"step {step} layer forward", 1e-10)
+        (out_b * target[mine]).sum().backward()
+        _close(bx.grad, ref_x.grad[mine], f"step {step} grad x", 1e-10)
+        for name, w, r in zip(("wq", "wk", "wv", "wo"), bw, ref_w):
+            grad = w.grad.clone()
+            torch.distributed.all_reduce(grad, group=bal.group)
+            _close(grad, r.grad, f"step {step} grad {name}", 1e-10)
+        spec = bal.spec
+        degrees = {e.degree for e in spec.entries}
+        seen["mixed_rank"] |= 1 in degrees and len(degrees) >= 2
+        seen["idle_rank"] |= spec.num_routed == 0
+    return seen
+
+
+def check_bad_group_plans(rank: int, world: int) -> list[str]:
+    """Plans the executor cannot run raise the same clear error on every rank."""
+    import dataclasses
+
+    bal = SequenceBalancer(f"g1n{world}", MODEL)
+    lens = [[10, 4]] + [[6]] * (world - 1)
+    n = sum(map(len, lens))
+    msgs = []
+
+    def expect(fn, text):
+        try:
+            fn()
+        except BalancerInputError as exc:
+            assert text in str(exc), (text, str(exc))
+            msgs.append(str(exc))
+            return
+        raise AssertionError(f"expected an error containing {text!r}")
+
+    good = plan_from_groups(lens, [(0, 1), (1,)], [0] + [1] * (n - 1), MODEL)
+    repeated = dataclasses.replace(good, bags=((0, 0),) + good.bags[1:])
+    expect(lambda: bal.use_plan(repeated), "repeats a rank")
+    ch = good.chunks.copy()
+    ch[0, 4] = world - 1 if world > 2 else 1  # the first chunk of sequence (0,0) on a non-member...
+    if world == 2:
+        ch[0, 4], ch[1, 4] = 1, 0  # ... or its chunks out of group order
+        expect(lambda: bal.use_plan(dataclasses.replace(good, chunks=ch)), "not in group order")
+    else:
+        expect(lambda: bal.use_plan(dataclasses.replace(good, chunks=ch)), "not a member of its group")
+    # degree 3 with 4 heads; a group of 2 sharing 3 kv heads
+    three = plan_from_groups([[30]] + [[]] * (world - 1), [tuple(range(min(3, world)))], [0], MODEL)
+    bal.use_plan(three)
+    y = bal.route(torch.zeros(30 if rank == 0 else 0, 1))
+    if world >= 3:
+        q = torch.zeros(y.shape[0], 4, 2)
+        expect(lambda: bal.attention(q, q, q), "4 attention heads cannot be split evenly over bag size 3")
+    two = plan_from_groups([[30]] + [[]] * (world - 1), [(0, 1)], [0], MODEL)
+    bal.use_plan(two)
+    y = bal.route(torch.zeros(30 if rank == 0 else 0, 1))
+    q, kv = torch.zeros(y.shape[0], 6, 2), torch.zeros(y.shape[0], 3, 2)
+    expect(lambda: bal.attention(q, kv, kv), "a group of 2 ranks cannot share 3 kv heads (h=6)")
+    return msgs

@@ -1,0 +1,30 @@
+"""Per-sequence groups: one rank in several groups of different sizes in the same step
+(overlapping, non-contiguous, changing every step), GQA/MQA, on 2, 3 and 4 gloo ranks; every
+result equals one-process per-sequence math."""
+
+import pytest
+
+from knapformer.testing import run_distributed
+from tests import group_workers as W
+
+
+@pytest.mark.parametrize(
+    "world, heads, kv_heads, sizes",
+    [
+        (2, 4, 4, (1, 2)),
+        (3, 12, 12, (1, 2, 3)),  # groups of 3 with 12 heads, of 2 and 1 beside them
+        (3, 6, 6, (1, 3)),  # a group of 3 with 6 heads
+        (4, 12, 12, (1, 2, 3, 4)),
+        (4, 8, 2, (1, 2, 4)),  # GQA 8 q / 2 kv heads: groups of 4 replicate each kv head twice
+        (4, 8, 1, (1, 2, 4)),  # MQA
+    ],
+)
+def test_overlapping_groups_equal_one_process(world, heads, kv_heads, sizes):
+    seen = run_distributed(W.check_overlapping_groups, world, heads, kv_heads, sizes, 3, 100 + world, timeout=300)
+    assert any(s["mixed_rank"] for s in seen), "no rank ran sequences alone and in multi-rank groups"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bad_group_plans_raise_on_every_rank(world):
+    msgs = run_distributed(W.check_bad_group_plans, world, timeout=120)
+    assert all(len(m) == len(msgs[0]) >= 3 for m in msgs)
