@@ -1,4 +1,4 @@
-"""Bag layouts: parse ``g{G}n{N}+...`` specs into bags of ranks.
+"""Layouts: parse ``g{G}n{N}+...`` bag specs into bags of ranks, or ``auto`` (per-sequence groups).
 
 ``g2n4`` means four bags of two ranks each. Bags occupy contiguous ranks of the balancing
 group, smaller bags first, so ``g1n2+g2n1`` is ``[[0], [1], [2, 3]]``. A group of size
@@ -6,6 +6,10 @@ group, smaller bags first, so ``g1n2+g2n1`` is ``[[0], [1], [2, 3]]``. A group o
 
 Decision: a bag size listed twice (``g1n2+g1n3``) is rejected, not merged — it is almost
 always a typo, and merging would hide it.
+
+``auto`` lets the planner choose every sequence's group each step (:class:`AutoLayout`):
+``auto`` spans the whole world (or the given process group), ``auto:n16`` tiles the world
+into 16-rank groups, ``auto:max8`` caps the parallel degree; both combine (``auto:n16:max8``).
 """
 
 from __future__ import annotations
@@ -13,9 +17,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["BagLayout", "parse_layout"]
+__all__ = ["AutoLayout", "BagLayout", "Layout", "parse_layout"]
 
 _TERM = re.compile(r"^g(\d+)n(\d+)$")
+_AUTO = re.compile(r"^auto((?::(?:n|max)\d+)*)$")
 
 
 @dataclass(frozen=True)
@@ -94,13 +99,83 @@ class BagLayout:
         return self.spec()
 
 
-def parse_layout(spec: str | BagLayout) -> BagLayout:
-    """Parse ``"g1n4 + g2n2"``; errors name the malformed term."""
-    if isinstance(spec, BagLayout):
+@dataclass(frozen=True)
+class AutoLayout:
+    """Per-sequence groups chosen by the planner every step (the moldable solver)."""
+
+    num_ranks: int | None = None
+    """Ranks of one balancing group; None = the whole world (resolved when the balancer is
+    built, or from the number of per-rank length lists when planning)."""
+    max_degree: int | None = None
+    """Largest group a sequence may run on; None = as the head count and the node allow."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_ranks", "max_degree"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"auto layout: {name} must be an int >= 1, got {v!r}")
+
+    @property
+    def group_size(self) -> int:
+        if self.num_ranks is None:
+            raise ValueError("layout 'auto' has no group size yet: resolve it for a world first")
+        return self.num_ranks
+
+    def resolved(self, num_ranks: int) -> AutoLayout:
+        """This layout for a group of ``num_ranks`` ranks (unchanged if it names its size)."""
+        if self.num_ranks is not None:
+            return self
+        return AutoLayout(num_ranks=num_ranks, max_degree=self.max_degree)
+
+    def num_replicas(self, world_size: int) -> int:
+        size = self.num_ranks or world_size
+        if world_size <= 0 or world_size % size:
+            raise ValueError(
+                f"world size {world_size} is not divisible by the group size {size} of layout {self.spec()!r}"
+            )
+        return world_size // size
+
+    def replica_ranks(self, world_size: int) -> list[list[int]]:
+        s = self.num_ranks or world_size
+        return [list(range(r * s, (r + 1) * s)) for r in range(self.num_replicas(world_size))]
+
+    def spec(self) -> str:
+        parts = ["auto"]
+        if self.num_ranks is not None:
+            parts.append(f"n{self.num_ranks}")
+        if self.max_degree is not None:
+            parts.append(f"max{self.max_degree}")
+        return ":".join(parts)
+
+    def __str__(self) -> str:
+        return self.spec()
+
+
+Layout = BagLayout | AutoLayout
+
+
+def parse_layout(spec: str | BagLayout | AutoLayout) -> BagLayout | AutoLayout:
+    """Parse ``"g1n4 + g2n2"`` or ``"auto"``/``"auto:max8"``/``"auto:n16"``; errors name the term."""
+    if isinstance(spec, (BagLayout, AutoLayout)):
         return spec
     if not isinstance(spec, str):
         raise TypeError(f"bag spec must be a string, got {type(spec).__name__}")
     text = spec.replace(" ", "")
+    m = _AUTO.match(text)
+    if m:
+        opts = {"n": None, "max": None}
+        for part in filter(None, m.group(1).split(":")):
+            key = "max" if part.startswith("max") else "n"
+            if opts[key] is not None:
+                raise ValueError(f"layout {spec!r} gives {key} twice")
+            opts[key] = int(part[len(key) :])
+        return AutoLayout(num_ranks=opts["n"], max_degree=opts["max"])
+    if text.startswith("auto"):
+        raise ValueError(f"malformed auto layout {spec!r}; expected auto, auto:max<K>, auto:n<S> or auto:n<S>:max<K>")
+    return _parse_bags(spec, text)
+
+
+def _parse_bags(spec: str, text: str) -> BagLayout:
     if not text:
         raise ValueError("bag spec is empty; expected terms like 'g1n4+g2n2'")
     terms = []

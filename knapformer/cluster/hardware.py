@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from knapformer.plan.cost import LinkModel
+
 __all__ = ["Hardware", "HARDWARE", "hardware"]
 
 
@@ -63,6 +65,29 @@ class Hardware:
     @property
     def achievable_flops(self) -> float:
         return self.peak_flops * self.efficiency
+
+    def link(self, shape=None, *, units_per_second: float = 1.0) -> LinkModel:
+        """These links as the planner's :class:`~knapformer.plan.cost.LinkModel`: exchange
+        passes from ``shape`` (forward + backward, + recompute), its bytes per value, and
+        ``units_per_second`` of the planner's cost model (1 for a profile in seconds; for the
+        paper's FLOP form use :meth:`flop_units_per_second`)."""
+        return LinkModel(
+            intra_bw=self.intra_bw,
+            inter_bw=self.inter_bw,
+            intra_latency=self.intra_latency,
+            inter_latency=self.inter_latency,
+            gpus_per_node=self.gpus_per_node,
+            bytes_per_value=shape.bytes_per_value if shape is not None else 2,
+            exchange_passes=shape.passes - 1 if shape is not None else 2,
+            copy_bw=self.copy_bw,
+            units_per_second=units_per_second,
+        )
+
+    @property
+    def flop_units_per_second(self) -> float:
+        """Planner units per second for the paper's cost form (one unit = one forward FLOP of
+        a layer; a training layer runs forward + backward = 3 forward FLOPs)."""
+        return self.achievable_flops / 3
 
     def with_overrides(self, **kw) -> Hardware:
         return replace(self, **{k: v for k, v in kw.items() if v is not None})

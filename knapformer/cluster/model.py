@@ -6,7 +6,7 @@
   profile, the profile's seconds directly.
 - **Routing**: route and reverse move each chunk whose destination differs from its source,
   ``d`` values per token; with their backward exchanges that is 4 all-to-alls per step.
-- **Ulysses**: in a k-rank bag every attention layer sends (k−1)/k of q, k, v (3 units) before
+- **Ulysses**: in a k-rank group every attention layer sends (k−1)/k of q, k, v before
   attention and of the output (1 unit) after, in forward and again in backward (and recompute).
 - An all-to-all costs ``latency + max(sent, received) / bandwidth`` per link class (inside
   a node / across nodes), a rank's traffic to both classes adding up, plus the executor's
@@ -34,7 +34,8 @@ import numpy as np
 
 from knapformer.cluster.hardware import Hardware
 from knapformer.plan import Plan, RankFeatures, SeqIndex, validate_seq_lens
-from knapformer.plan.plan import DST, LEN, SRC, spread_over_groups
+from knapformer.plan.cost import a2a_seconds, comm_features, route_seconds, ulysses_seconds
+from knapformer.plan.plan import spread_over_groups
 from knapformer.plan.problem import sum_by
 from knapformer.workload import WorkloadModel, layer_flops, transformer_flops
 
@@ -65,6 +66,16 @@ class ModelShape:
             layers=cfg.num_layers,
             causal=getattr(cfg, "causal", False),
             recompute=recompute,
+        )
+
+    def workload(self) -> WorkloadModel:
+        """The shape as the cost functions read it (width, heads, kv heads, layers)."""
+        return WorkloadModel(
+            d_model=self.dim,
+            num_heads=self.heads,
+            num_kv_heads=self.kv_heads,
+            num_layers=self.layers,
+            causal=self.causal,
         )
 
     @property
@@ -127,10 +138,6 @@ class StepPrediction:
         }
 
 
-_COPIES = 4  # route/reverse: local passes over the payload (gather, pack, unpack, scatter)
-_ULYSSES_COPIES = 2  # Ulysses pre/post: one packing copy and one row permutation per exchange
-
-
 @functools.cache
 def expected_max_normal(k: int) -> float:
     """E[max of k independent standard normals] (0 for k = 1, 1/√π for k = 2)."""
@@ -141,21 +148,6 @@ def expected_max_normal(k: int) -> float:
     cdf = 0.5 * (1.0 + np.vectorize(math.erf)(x / math.sqrt(2.0)))
     integrand = x * k * pdf * cdf ** (k - 1)
     return float(np.sum(integrand) * (x[1] - x[0]))
-
-
-def qkv_units(k: int, heads: int, kv_heads: int) -> float:
-    """Bytes of q, k and v a member of a k-rank group exchanges, in units of its q bytes: its kv
-    heads are h_kv/k when k divides h_kv, else one replicated kv head (h_kv divides k)."""
-    hq = heads / k
-    hkv = kv_heads / k if kv_heads % k == 0 else 1.0
-    return 1.0 + 2.0 * hkv / hq
-
-
-def a2a_seconds(sent: np.ndarray, recv: np.ndarray, bw: float, latency: float) -> np.ndarray:
-    """Per-rank time of one all-to-all class: latency (if the rank moves anything) + max(sent,
-    received) / bandwidth."""
-    moved = np.maximum(sent, recv)
-    return np.where(moved > 0, latency + moved / bw, 0.0)
 
 
 def _compute_seconds(f: RankFeatures, shape: ModelShape, hw: Hardware, profile: WorkloadModel | None):
@@ -189,43 +181,23 @@ def predict_step(
     ``rank_speed`` a rank of speed s computes 1/s as fast. ``attn_backend="sdpa_mask"`` prices
     attention as the dense block-diagonal call it is (every pair of a rank's attention tokens of
     one degree), the other backends as per-sequence work."""
-    S, gpn = plan.num_ranks, hw.gpus_per_node
+    S = plan.num_ranks
     feats = _masked(plan.features(), plan) if attn_backend == "sdpa_mask" else plan.features()
-    tokens = feats.tokens
     compute = _compute_seconds(feats, shape, hw, profile) / _speeds(rank_speed, S)
-    bpt = shape.dim * shape.bytes_per_value  # bytes per token of activations
-    # -- routing (route + reverse, forward and backward)
-    ch = plan.chunks
-    off = ch[:, SRC] != ch[:, DST]
-    same_node = (ch[:, SRC] // gpn) == (ch[:, DST] // gpn)
-    route = np.zeros(S)
-    for mask, bw, lat in (
-        (off & same_node, hw.intra_bw, hw.intra_latency),
-        (off & ~same_node, hw.inter_bw, hw.inter_latency),
-    ):
-        sent = np.bincount(ch[mask, SRC], weights=ch[mask, LEN], minlength=S) * bpt
-        recv = np.bincount(ch[mask, DST], weights=ch[mask, LEN], minlength=S) * bpt
-        route += a2a_seconds(sent, recv, bw, lat)
-    route += _COPIES * tokens * bpt / hw.copy_bw  # every token is gathered/packed on its way out and in
-    route *= 4
-    # -- Ulysses inside multi-rank bags: per layer, 3 units (q,k,v) then 1 unit (output)
-    ulysses = np.zeros(S)
-    sync = np.zeros(S)
-    for members in plan.bags:
-        k = len(members)
-        if k == 1:
-            continue
-        m = list(members)
-        crosses = len({r // gpn for r in m}) > 1
-        bw, lat = (hw.inter_bw, hw.inter_latency) if crosses else (hw.intra_bw, hw.intra_latency)
-        R = tokens[m] * bpt
-        sent = R * (k - 1) / k
-        recv = (R.sum() - R) / k
-        u = qkv_units(k, shape.heads, shape.kv_heads or shape.heads)
-        per_layer = a2a_seconds(u * sent, u * recv, bw, lat) + a2a_seconds(sent, recv, bw, lat)
-        per_layer = per_layer + _ULYSSES_COPIES * 4 * R / hw.copy_bw
-        ulysses[m] = per_layer * shape.layers * (shape.passes - 1)  # forward, backward (x2 wire), recompute
-        sync[m] = hw.sync_jitter * expected_max_normal(k) / expected_max_normal(2) * compute[m]  # cached per k
+    # -- exchanges: the planner's own cost function (knapformer.plan.cost)
+    link = hw.link(shape)
+    comm = comm_features(plan.index, plan.bags, plan.seq_bag, plan.chunks, shape.workload(), hw.gpus_per_node)
+    route = route_seconds(comm, link)
+    ulysses = ulysses_seconds(comm, link) * shape.layers
+    # -- sync jitter: every member of a multi-rank group waits for the slowest member at each
+    # exchange; a rank pays for the largest group it is in
+    sizes = np.fromiter((len(b) for b in plan.bags), dtype=np.int64, count=len(plan.bags))
+    kmax = np.ones(S, dtype=np.int64)
+    for b in np.unique(plan.seq_bag).tolist() if plan.seq_bag.size else []:
+        members = list(plan.bags[b])
+        kmax[members] = np.maximum(kmax[members], sizes[b])
+    jitter = np.asarray([expected_max_normal(int(k)) for k in kmax]) / expected_max_normal(2)  # cached per k
+    sync = hw.sync_jitter * jitter * compute
     lens = plan.index.lengths
     flops = float(
         shape.passes

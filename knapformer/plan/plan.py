@@ -33,8 +33,9 @@ from typing import Any
 
 import numpy as np
 
-from knapformer.plan.problem import PlanProblem, sum_by, validate_seq_lens
-from knapformer.plan.seqindex import SeqIndex
+from knapformer.plan.cost import comm_features, member_comm_lower, route_seconds, ulysses_seconds
+from knapformer.plan.problem import PlanProblem, validate_seq_lens
+from knapformer.plan.seqindex import DST, IDX, LEN, SRC, START, SeqIndex, spread_over_groups, sum_by
 from knapformer.workload import WorkloadModel
 
 __all__ = [
@@ -48,8 +49,6 @@ __all__ = [
     "rank_features",
     "spread_over_groups",
 ]
-
-SRC, IDX, START, LEN, DST = range(5)
 
 
 class InvalidPlanError(ValueError):
@@ -97,16 +96,6 @@ def chunk_table(index: SeqIndex, groups, seq_group: np.ndarray) -> np.ndarray:
     keep = length > 0
     table = np.stack([index.src_rank[seq_of_row], index.seq_index[seq_of_row], start, length, dst], axis=1)[keep]
     return np.ascontiguousarray(table, dtype=np.int64)
-
-
-def spread_over_groups(groups, seq_group: np.ndarray, per_seq: np.ndarray, num_ranks: int) -> np.ndarray:
-    """(S,) for each rank, the sum of ``per_seq`` over the sequences whose group it is in:
-    what every member pays for each of its groups' sequences (e.g. its share of attention).
-    Groups may overlap: a rank in several groups pays for each."""
-    per_group = sum_by(seq_group, per_seq, len(groups))
-    members = np.fromiter((r for g in groups for r in g), dtype=np.int64)
-    owner = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
-    return sum_by(members, per_group[owner], num_ranks)
 
 
 @dataclass(frozen=True)
@@ -404,6 +393,19 @@ def _imbalance(t: np.ndarray) -> float:
     return float(t.max()) / mean - 1.0 if mean > 0 else 0.0
 
 
+def rank_times(problem: PlanProblem, groups, seq_group: np.ndarray, chunks: np.ndarray) -> np.ndarray:
+    """(S,) predicted time of each rank under a chunk table: compute / speed, plus the Ulysses
+    exchanges priced by the problem's link model (the one cost function of the planner and
+    the cluster model)."""
+    t = rank_features(problem.index, groups, seq_group, chunks).cost(problem.model) / problem.speed
+    if problem.link is not None:
+        link = problem.link
+        comm = comm_features(problem.index, groups, seq_group, chunks, problem.model, link.gpus_per_node)
+        per_layer = ulysses_seconds(comm, link) + route_seconds(comm, link) / problem.model.num_layers
+        t = t + per_layer * link.units_per_second
+    return t
+
+
 def build_plan(
     problem: PlanProblem, seq_bag: np.ndarray, *, solver: str, plan_seconds: float = 0.0, groups=None
 ) -> Plan:
@@ -412,8 +414,7 @@ def build_plan(
     seq_bag = np.ascontiguousarray(seq_bag, dtype=np.int64)
     groups = problem.bags if groups is None else tuple(tuple(int(r) for r in g) for g in groups)
     chunks = chunk_table(problem.index, groups, seq_bag)
-    feats = rank_features(problem.index, groups, seq_bag, chunks)
-    time_after = feats.cost(problem.model) / problem.speed
+    time_after = rank_times(problem, groups, seq_bag, chunks)
     moved = int(chunks[chunks[:, SRC] != chunks[:, DST], LEN].sum())
     plan = Plan(
         seq_lens=problem.seq_lens,
@@ -466,13 +467,18 @@ def plan_from_groups(
 
 def moldable_lower_bound(problem: PlanProblem, degrees) -> float:
     """A makespan no plan with groups of the given sizes can beat: the larger of the fluid bound
-    (all work over all speed) and, per sequence, its cheapest group size's busiest member."""
+    (each sequence's cheapest total over all members, over all speed) and, per sequence, its
+    cheapest group size's busiest member. With a link model both include the least
+    communication a group of that size must pay (:func:`~knapformer.plan.cost.member_comm_lower`)."""
     if problem.num_seqs == 0:
         return 0.0
     L = problem.lengths
+    model, link = problem.model, problem.link
     fastest = float(problem.speed.max())
     best = np.full(problem.num_seqs, np.inf)
+    total = np.full(problem.num_seqs, np.inf)
     for k in sorted(set(int(k) for k in degrees)):
-        t = problem.model.chunk_cost(-(-L // k), L, k) / fastest
-        np.minimum(best, t, out=best)
-    return max(float(problem.work.sum() / problem.speed.sum()), float(best.max()))
+        comm = member_comm_lower(L, k, model, link) if link is not None else 0.0
+        np.minimum(best, (model.chunk_cost(-(-L // k), L, k) + comm) / fastest, out=best)
+        np.minimum(total, model.cost(L) + (k - 1) * model.per_seq + k * comm, out=total)
+    return max(float(total.sum() / problem.speed.sum()), float(best.max()))

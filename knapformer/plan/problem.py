@@ -17,11 +17,20 @@ from functools import cached_property
 
 import numpy as np
 
-from knapformer.layout import BagLayout, parse_layout
-from knapformer.plan.seqindex import SeqIndex
+from knapformer.layout import AutoLayout, BagLayout, parse_layout
+from knapformer.plan.cost import LinkModel
+from knapformer.plan.seqindex import SeqIndex, spread_over_groups, sum_by
 from knapformer.workload import WorkloadModel
 
-__all__ = ["MAX_SEQ_LEN", "MAX_TOTAL_TOKENS", "PlanProblem", "SolverOptions", "sum_by", "validate_seq_lens"]
+__all__ = [
+    "MAX_SEQ_LEN",
+    "MAX_TOTAL_TOKENS",
+    "PlanProblem",
+    "SolverOptions",
+    "spread_over_groups",
+    "sum_by",
+    "validate_seq_lens",
+]
 
 MAX_SEQ_LEN = 2**31 - 1
 """Longest sequence accepted: attention kernels index tokens with int32 ``cu_seqlens``."""
@@ -74,12 +83,6 @@ def _checked_length(v: object, where: str) -> int:
     return int(v)
 
 
-def sum_by(index: np.ndarray, weights: np.ndarray, n: int) -> np.ndarray:
-    """(n,) float64 sums of ``weights`` grouped by ``index`` (``np.bincount`` returns int64
-    for empty input, which then silently truncates or overflows float costs written into it)."""
-    return np.bincount(index, weights=weights, minlength=n).astype(np.float64, copy=False)
-
-
 @dataclass(frozen=True, kw_only=True)
 class SolverOptions:
     """Typed knobs of the solvers (each solver reads the ones it knows; defaults are tuned)."""
@@ -110,8 +113,8 @@ class PlanProblem:
 
     seq_lens: tuple[tuple[int, ...], ...]
     """Lengths of the sequences on each rank of the group (ranks may be empty)."""
-    layout: BagLayout
-    """Bag layout of the group."""
+    layout: BagLayout | AutoLayout
+    """Bag layout of the group, or ``auto`` (the moldable solver picks each sequence's group)."""
     model: WorkloadModel
     """Cost model."""
     max_tokens_per_rank: int | None = None
@@ -120,11 +123,17 @@ class PlanProblem:
     """Relative throughput per rank (work/speed = time). None = all 1.0."""
     options: SolverOptions = field(default_factory=SolverOptions)
     """Solver knobs (iteration counts, tie tolerance)."""
+    link: LinkModel | None = None
+    """Links between the ranks: prices Ulysses exchanges in the plan's times (None = free)."""
 
     def __post_init__(self) -> None:
         layout = parse_layout(self.layout)
+        if isinstance(layout, AutoLayout) and isinstance(self.seq_lens, Sequence):
+            layout = layout.resolved(len(self.seq_lens))
         object.__setattr__(self, "layout", layout)
         object.__setattr__(self, "seq_lens", validate_seq_lens(self.seq_lens, layout.group_size))
+        if self.link is not None and not isinstance(self.link, LinkModel):
+            raise TypeError(f"link must be a LinkModel, got {type(self.link).__name__}")
         if not isinstance(self.model, WorkloadModel):
             raise TypeError(f"model must be a WorkloadModel, got {type(self.model).__name__}")
         if not isinstance(self.options, SolverOptions):
@@ -177,14 +186,47 @@ class PlanProblem:
             return np.ones(self.num_ranks)
         return np.asarray(self.rank_speed, dtype=np.float64)
 
+    @property
+    def auto(self) -> bool:
+        """The planner chooses every sequence's group (layout ``auto``)."""
+        return isinstance(self.layout, AutoLayout)
+
     @cached_property
     def bags(self) -> tuple[tuple[int, ...], ...]:
+        """The layout's bags; for ``auto`` every rank alone (what degree-1 placement uses)."""
+        if self.auto:
+            return tuple((r,) for r in range(self.num_ranks))
         return self.layout.bags
 
     @cached_property
     def bag_size(self) -> np.ndarray:
         """(B,) ranks per bag."""
-        return np.asarray(self.layout.bag_sizes, dtype=np.int64)
+        return np.fromiter((len(b) for b in self.bags), dtype=np.int64, count=len(self.bags))
+
+    @cached_property
+    def degrees(self) -> tuple[int, ...]:
+        """Group sizes a sequence may run on: the bag sizes, or for ``auto`` every k that
+        divides the group (aligned blocks), respects ``max_degree``, splits the heads (k | h,
+        and k | h_kv or h_kv | k; power-of-two k ≤ 8 when the cost model has no head count)
+        and stays inside a node or spans whole ones (with a link model)."""
+        if not self.auto:
+            return tuple(sorted({len(b) for b in self.bags}))
+        S, kmax = self.num_ranks, self.layout.max_degree or self.num_ranks
+        h, h_kv = self.model.num_heads, self.model.num_kv_heads or self.model.num_heads
+        out = []
+        for k in range(1, min(S, kmax) + 1):
+            if S % k:
+                continue
+            if h is None and (k & (k - 1) or k > 8):
+                continue
+            if h is not None and (h % k or (h_kv % k and k % h_kv)):
+                continue
+            if self.link is not None:
+                gpn = self.link.gpus_per_node
+                if (k <= gpn and gpn % k) or (k > gpn and k % gpn):
+                    continue
+            out.append(k)
+        return tuple(out)
 
     @cached_property
     def bag_capacity(self) -> np.ndarray:
@@ -226,9 +268,14 @@ class PlanProblem:
     @cached_property
     def lower_bound(self) -> float:
         """A makespan no plan can beat: max of the fluid bound (total work over total speed)
-        and, per sequence, its cheapest placement's busiest chunk."""
+        and, per sequence, its cheapest placement's busiest chunk (for ``auto``, over every
+        allowed group size, with the least communication each size must pay)."""
         if self.num_seqs == 0:
             return 0.0
+        if self.auto:
+            from knapformer.plan.plan import moldable_lower_bound
+
+            return moldable_lower_bound(self, self.degrees)
         fluid = float(self.work.sum() / self.speed.sum())
         best = np.full(self.num_seqs, np.inf)
         options = sorted({(len(r), float(self.speed[list(r)].max())) for r in self.bags})
@@ -249,7 +296,7 @@ class PlanProblem:
                 f"max_tokens_per_rank={cap} is infeasible: {total} tokens over {self.num_ranks} ranks "
                 f"need at least {-(-total // self.num_ranks)} per rank"
             )
-        kmax = self.layout.max_bag_size
+        kmax = max(self.degrees)
         g = int(np.argmax(self.lengths))
         if -(-int(self.lengths[g]) // kmax) > cap:
             raise ValueError(

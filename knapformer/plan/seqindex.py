@@ -15,7 +15,10 @@ from functools import cached_property
 
 import numpy as np
 
-__all__ = ["SeqIndex"]
+__all__ = ["DST", "IDX", "LEN", "SRC", "START", "SeqIndex", "spread_over_groups", "sum_by"]
+
+SRC, IDX, START, LEN, DST = range(5)
+"""Columns of a chunk table row ``[src_rank, seq_index, start, length, dst_rank]``."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -72,3 +75,19 @@ class SeqIndex:
     def gid(self, src_rank: np.ndarray, seq_index: np.ndarray) -> np.ndarray:
         """Global ids of ``(src_rank, seq_index)`` pairs (e.g. the rows of a chunk table)."""
         return self.first[:-1][src_rank] + seq_index
+
+
+def sum_by(index: np.ndarray, weights: np.ndarray, n: int) -> np.ndarray:
+    """(n,) float64 sums of ``weights`` grouped by ``index`` (``np.bincount`` returns int64
+    for empty input, which then silently truncates or overflows float costs written into it)."""
+    return np.bincount(index, weights=weights, minlength=n).astype(np.float64, copy=False)
+
+
+def spread_over_groups(groups, seq_group: np.ndarray, per_seq: np.ndarray, num_ranks: int) -> np.ndarray:
+    """(S,) for each rank, the sum of ``per_seq`` over the sequences whose group it is in:
+    what every member pays for each of its groups' sequences (e.g. its share of attention).
+    Groups may overlap: a rank in several groups pays for each."""
+    per_group = sum_by(seq_group, per_seq, len(groups))
+    members = np.fromiter((r for g in groups for r in g), dtype=np.int64)
+    owner = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
+    return sum_by(members, per_group[owner], num_ranks)
