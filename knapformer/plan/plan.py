@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from knapformer.plan.cost import comm_features, member_comm_lower, route_seconds, ulysses_seconds
-from knapformer.plan.problem import PlanProblem, validate_seq_lens
+from knapformer.plan.cost import comm_features, route_seconds, ulysses_seconds
+from knapformer.plan.problem import PlanProblem, moldable_lower_bound, validate_seq_lens
 from knapformer.plan.seqindex import DST, IDX, LEN, SRC, START, SeqIndex, spread_over_groups, sum_by
 from knapformer.workload import WorkloadModel
 
@@ -463,22 +463,3 @@ def plan_from_groups(
     plan = build_plan(problem, np.asarray(seq_group, dtype=np.int64), solver=solver, groups=groups)
     object.__setattr__(plan, "lower_bound", moldable_lower_bound(problem, range(1, S + 1)))
     return plan
-
-
-def moldable_lower_bound(problem: PlanProblem, degrees) -> float:
-    """A makespan no plan with groups of the given sizes can beat: the larger of the fluid bound
-    (each sequence's cheapest total over all members, over all speed) and, per sequence, its
-    cheapest group size's busiest member. With a link model both include the least
-    communication a group of that size must pay (:func:`~knapformer.plan.cost.member_comm_lower`)."""
-    if problem.num_seqs == 0:
-        return 0.0
-    L = problem.lengths
-    model, link = problem.model, problem.link
-    fastest = float(problem.speed.max())
-    best = np.full(problem.num_seqs, np.inf)
-    total = np.full(problem.num_seqs, np.inf)
-    for k in sorted(set(int(k) for k in degrees)):
-        comm = member_comm_lower(L, k, model, link) if link is not None else 0.0
-        np.minimum(best, (model.chunk_cost(-(-L // k), L, k) + comm) / fastest, out=best)
-        np.minimum(total, model.cost(L) + (k - 1) * model.per_seq + k * comm, out=total)
-    return max(float(total.sum() / problem.speed.sum()), float(best.max()))

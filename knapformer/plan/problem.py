@@ -18,7 +18,7 @@ from functools import cached_property
 import numpy as np
 
 from knapformer.layout import AutoLayout, BagLayout, parse_layout
-from knapformer.plan.cost import LinkModel
+from knapformer.plan.cost import LinkModel, member_comm_lower
 from knapformer.plan.seqindex import SeqIndex, spread_over_groups, sum_by
 from knapformer.workload import WorkloadModel
 
@@ -27,6 +27,7 @@ __all__ = [
     "MAX_TOTAL_TOKENS",
     "PlanProblem",
     "SolverOptions",
+    "moldable_lower_bound",
     "spread_over_groups",
     "sum_by",
     "validate_seq_lens",
@@ -273,8 +274,6 @@ class PlanProblem:
         if self.num_seqs == 0:
             return 0.0
         if self.auto:
-            from knapformer.plan.plan import moldable_lower_bound
-
             return moldable_lower_bound(self, self.degrees)
         fluid = float(self.work.sum() / self.speed.sum())
         best = np.full(self.num_seqs, np.inf)
@@ -320,3 +319,22 @@ def validate_rank_speed(rank_speed: object, num_ranks: int) -> tuple[float, ...]
     if len(out) != num_ranks:
         raise ValueError(f"rank_speed has {len(out)} entries for {num_ranks} ranks")
     return tuple(out)
+
+
+def moldable_lower_bound(problem: PlanProblem, degrees) -> float:
+    """A makespan no plan with groups of the given sizes can beat: the larger of the fluid bound
+    (each sequence's cheapest total over all members, over all speed) and, per sequence, its
+    cheapest group size's busiest member. With a link model both include the least
+    communication a group of that size must pay (:func:`~knapformer.plan.cost.member_comm_lower`)."""
+    if problem.num_seqs == 0:
+        return 0.0
+    L = problem.lengths
+    model, link = problem.model, problem.link
+    fastest = float(problem.speed.max())
+    best = np.full(problem.num_seqs, np.inf)
+    total = np.full(problem.num_seqs, np.inf)
+    for k in sorted(set(int(k) for k in degrees)):
+        comm = member_comm_lower(L, k, model, link) if link is not None else 0.0
+        np.minimum(best, (model.chunk_cost(-(-L // k), L, k) + comm) / fastest, out=best)
+        np.minimum(total, model.cost(L) + (k - 1) * model.per_seq + k * comm, out=total)
+    return max(float(total.sum() / problem.speed.sum()), float(best.max()))
