@@ -49,6 +49,10 @@ def validate_seq_lens(
     """Check ``[[len, ...] per rank]`` and return it as tuples of ints; errors name the entry
     (as ``name[r][i]``). Lengths are positive ints (never bools) of at most :data:`MAX_SEQ_LEN`
     tokens, and all of them together at most :data:`MAX_TOTAL_TOKENS`."""
+    if isinstance(seq_lens, ValidLens):
+        if num_ranks is not None and len(seq_lens) != num_ranks:
+            raise ValueError(f"{name} has {len(seq_lens)} ranks but the bag layout's group has {num_ranks}")
+        return seq_lens
     if not isinstance(seq_lens, Sequence) or isinstance(seq_lens, (str, bytes)):
         raise ValueError(f"{name} must be a list of per-rank lists, got {type(seq_lens).__name__}")
     out = []
@@ -63,7 +67,8 @@ def validate_seq_lens(
         if not isinstance(lens, Sequence) or isinstance(lens, (str, bytes)):
             raise ValueError(f"{name}[{r}] must be a list of lengths, got {type(lens).__name__}")
         row = tuple(lens)
-        if not all(type(v) is int and 0 < v <= MAX_SEQ_LEN for v in row):  # fast path: clean Python ints
+        # fast path: clean Python ints (type checks in C via map), range checked once per row
+        if row and not (set(map(type, row)) == {int} and 0 < min(row) and max(row) <= MAX_SEQ_LEN):
             row = tuple(_checked_length(v, f"{name}[{r}][{i}]") for i, v in enumerate(row))
         total += sum(row)
         out.append(row)
@@ -71,7 +76,12 @@ def validate_seq_lens(
         raise ValueError(f"{name} holds {total} tokens in all, more than the {MAX_TOTAL_TOKENS} one group can plan")
     if num_ranks is not None and len(out) != num_ranks:
         raise ValueError(f"{name} has {len(out)} ranks but the bag layout's group has {num_ranks}")
-    return tuple(out)
+    return ValidLens(out)
+
+
+class ValidLens(tuple):
+    """Per-rank lengths that :func:`validate_seq_lens` accepted (a tuple of tuples of ints);
+    passing one on validates nothing twice."""
 
 
 def _checked_length(v: object, where: str) -> int:

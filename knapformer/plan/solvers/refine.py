@@ -24,13 +24,24 @@ __all__ = ["local_search", "relabel_for_locality"]
 _EPS = 1e-12
 _SWAP_BAGS_PER_CLASS = 4  # swap partners come from this many least loaded bags per class
 _SWAP_CELLS = 16_384  # bound on the (critical items × partners) matrix of one swap search
+_BATCH_MIN_BAGS = 256  # from this many bags, local search starts with batched moves
+_BATCH = 512  # overloaded bags handled per batched round
 
 
 def local_search(
-    problem: PlanProblem, seq_bag: np.ndarray, *, max_iters: int | None = None, stop_at: float = 0.0
+    problem: PlanProblem,
+    seq_bag: np.ndarray,
+    *,
+    max_iters: int | None = None,
+    stop_at: float = 0.0,
+    movable: np.ndarray | None = None,
+    base_load: np.ndarray | None = None,
+    base_tok: np.ndarray | None = None,
 ) -> np.ndarray:
     """Improve ``seq_bag`` (a copy is returned) by critical-bag moves and swaps; stop early
-    once the fluid makespan is at or below ``stop_at`` (e.g. just above the lower bound)."""
+    once the fluid makespan is at or below ``stop_at`` (e.g. just above the lower bound).
+    ``movable`` restricts the search to some sequences (the others' entries are ignored) on
+    top of fixed ``base_load``/``base_tok`` per bag (the moldable solver's multi-rank groups)."""
     seq_bag = seq_bag.copy()
     B, n = len(problem.bags), problem.num_seqs
     if n == 0 or B < 2:
@@ -39,8 +50,13 @@ def local_search(
     kap, k = problem.bag_capacity, problem.bag_size
     cap = problem.max_tokens_per_rank
     home = problem.bag_of_rank[problem.src_rank]
-    load = sum_by(seq_bag, w, B)
-    tok = sum_by(seq_bag, L, B).astype(np.int64)
+    ids = np.arange(n) if movable is None else np.flatnonzero(movable)
+    load = sum_by(seq_bag[ids], w[ids], B) + (0.0 if base_load is None else base_load)
+    tok = sum_by(seq_bag[ids], L[ids], B).astype(np.int64) + (0 if base_tok is None else base_tok)
+    # items of each bag, kept up to date (scanning all n sequences per iteration is O(n))
+    bag_items: list[set[int]] = [set() for _ in range(B)]
+    for g, b in zip(ids.tolist(), seq_bag[ids].tolist()):
+        bag_items[b].add(g)
     cls, num_cls = problem.bag_class
     bag_ids = np.arange(B)
     cls_start = np.searchsorted(np.sort(cls), np.arange(num_cls))  # first slot of each class
@@ -52,13 +68,15 @@ def local_search(
         max_iters = problem.options.max_iters
         if max_iters is None:
             max_iters = 2 * len(problem.bags) + 200
-    for _ in range(max_iters):
+    if B >= _BATCH_MIN_BAGS:  # many bags: first move items off many overloaded bags at once
+        max_iters -= _batch_moves(problem, seq_bag, bag_items, load, tok, stop_at, max_iters)
+    for _ in range(max(max_iters, 0)):
         t = load / kap
         c = int(np.argmax(t))
         M = t[c]
         if M <= stop_at:
             break
-        items = np.flatnonzero(seq_bag == c)
+        items = np.fromiter(sorted(bag_items[c]), dtype=np.int64, count=len(bag_items[c]))
         if items.size == 0:
             break
         wi, Li = w[items], L[items]
@@ -85,12 +103,12 @@ def local_search(
                 tok[c] -= L[g]
                 tok[b] += L[g]
                 seq_bag[g] = b
+                bag_items[c].discard(int(g))
+                bag_items[b].add(int(g))
                 continue
         # -- swaps: critical item s <-> lighter item u in one of the least loaded bags
-        mask = np.zeros(B, dtype=bool)
-        mask[by_class[light_slots]] = True
-        mask[c] = False
-        others = np.flatnonzero(mask[seq_bag])
+        light = [int(b) for b in by_class[light_slots] if b != c]
+        others = np.sort(np.fromiter((g for b in light for g in bag_items[b]), dtype=np.int64))
         if others.size == 0:
             break
         if items.size * others.size > _SWAP_CELLS:
@@ -116,7 +134,63 @@ def local_search(
         tok[c] += L[u] - L[g]
         tok[b] += L[g] - L[u]
         seq_bag[g], seq_bag[u] = b, c
+        bag_items[c].discard(int(g))
+        bag_items[b].discard(int(u))
+        bag_items[b].add(int(g))
+        bag_items[c].add(int(u))
     return seq_bag
+
+
+def _batch_moves(problem, seq_bag, bag_items, load, tok, stop_at: float, budget: int) -> int:
+    """Rounds that each move one item off every one of the (up to) ``_BATCH`` most loaded bags
+    into the equally many least loaded ones (the i-th heaviest pairs with the i-th lightest),
+    choosing per pair the item that minimises the larger of the two new times; a move is made
+    only if it lowers the pair's larger time. Loads and item lists are updated in place;
+    returns the iterations spent (moves / pairs per round, so it counts like single moves)."""
+    kap, k, w, L = problem.bag_capacity, problem.bag_size, problem.work, problem.lengths
+    cap = problem.max_tokens_per_rank
+    B = len(kap)
+    K = min(_BATCH, B // 2)
+    spent = 0
+    while spent < budget:
+        t = load / kap
+        order = np.argsort(-t, kind="stable")
+        heavy, light = order[:K], order[::-1][:K]
+        keep = (t[heavy] > stop_at) & (t[heavy] > t[light])
+        heavy, light = heavy[keep], light[keep]
+        if heavy.size == 0:
+            break
+        lists = [sorted(bag_items[int(b)]) for b in heavy]
+        width = max((len(x) for x in lists), default=0)
+        if width == 0:
+            break
+        items = np.full((heavy.size, width), -1, dtype=np.int64)
+        for i, x in enumerate(lists):
+            items[i, : len(x)] = x
+        valid = items >= 0
+        wi = np.where(valid, w[np.maximum(items, 0)], 0.0)
+        new_h = (load[heavy][:, None] - wi) / kap[heavy][:, None]
+        new_l = (load[light][:, None] + wi) / kap[light][:, None]
+        pair = np.where(valid, np.maximum(new_h, new_l), np.inf)
+        if cap is not None:
+            li = np.where(valid, L[np.maximum(items, 0)], 0)
+            pair[~fits_cap(tok[light][:, None] + li, k[light][:, None], cap)] = np.inf
+        j = np.argmin(pair, axis=1)
+        rows = np.arange(heavy.size)
+        better = pair[rows, j] < t[heavy] * (1 - _EPS)
+        if not better.any():
+            break
+        for i in np.flatnonzero(better).tolist():
+            g, src, dst = int(items[i, j[i]]), int(heavy[i]), int(light[i])
+            load[src] -= w[g]
+            load[dst] += w[g]
+            tok[src] -= L[g]
+            tok[dst] += L[g]
+            seq_bag[g] = dst
+            bag_items[src].discard(g)
+            bag_items[dst].add(g)
+        spent += max(1, int(better.sum()) // 8)
+    return spent
 
 
 def relabel_for_locality(problem: PlanProblem, seq_bag: np.ndarray) -> np.ndarray:
