@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from hypothesis import example, given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from knapformer.layout import BagLayout
@@ -23,7 +23,7 @@ def test_every_token_lands_in_exactly_one_chunk(solver, problem):
     """Chunks of each sequence are contiguous, in bag order, cover it exactly, sit in one bag
     with at most one chunk per bag rank; the plan never beats its lower bound."""
     layout, lens = problem
-    plan = plan_sequences(lens, layout, MODEL, solver=solver)
+    plan = plan_sequences(lens, "auto" if SOLVERS[solver].moldable else layout, MODEL, solver=solver)
     plan.validate()
     tokens = np.bincount(plan.chunks[:, 4], weights=plan.chunks[:, 3], minlength=layout.group_size)
     assert tokens.sum() == sum(map(sum, lens))
@@ -102,10 +102,11 @@ def test_slow_rank_gets_less_work(solver):
     speed would give it a full share)."""
     lens = [[100] * 40, [], [], []]
     speed = [1.0, 1.0, 1.0, 0.25]
-    plan = plan_sequences(lens, "g1n4", MODEL, rank_speed=speed, solver=solver)
+    layout = "auto" if SOLVERS[solver].moldable else "g1n4"
+    plan = plan_sequences(lens, layout, MODEL, rank_speed=speed, solver=solver)
     tok = plan.tokens_per_rank()
     assert tok[3] <= 0.35 * tok[:3].min(), tok.tolist()
-    assert plan.makespan <= plan_sequences(lens, "g1n4", MODEL, solver=solver).time_after.max() * 4
+    assert plan.makespan <= plan_sequences(lens, layout, MODEL, solver=solver).time_after.max() * 4
 
 
 @given(problem=problems(huge=True), data=st.data())
@@ -137,3 +138,68 @@ def test_plans_are_deterministic_and_round_trip_json(problem):
     c = Plan.from_json(a.to_json())
     assert c.digest() == a.digest()
     np.testing.assert_array_equal(c.time_after, a.time_after)
+
+
+AUTO_MODEL = WorkloadModel(d_model=48, num_heads=24, num_kv_heads=24)
+
+
+def _fixed_layouts(S: int, sizes: list[int]) -> list[str]:
+    """Every bag layout of these sizes over S ranks (enumerated here, not by the solver)."""
+    out = []
+
+    def rec(i, left, terms):
+        if i == len(sizes):
+            if left == 0:
+                out.append("+".join(f"g{k}n{c}" for k, c in terms if c))
+            return
+        k = sizes[i]
+        for c in range(left // k + 1):
+            rec(i + 1, left - c * k, [*terms, (k, c)])
+
+    rec(0, S, [])
+    return out
+
+
+@settings(max_examples=60)
+@given(problem=problems(max_ranks=8), data=st.data())
+@example(problem=(BagLayout(((1, 4),)), [[5000], [1], [1], [1]]), data=None)
+def test_auto_is_valid_within_cap_and_never_worse_than_a_fixed_layout(problem, data):
+    """Layout auto: a valid plan in the per-sequence form (every token once, groups of allowed
+    sizes), within the memory cap, and its makespan (communication priced) no worse than the
+    default solver's plan under any bag layout — uniform or mixed — of the allowed sizes."""
+    from knapformer.plan.cost import LinkModel
+
+    layout, lens = problem
+    S = layout.group_size
+    link = None
+    cap = None
+    if data is not None:
+        if data.draw(st.booleans()):
+            link = LinkModel(
+                intra_bw=1e9,
+                inter_bw=1e8,
+                gpus_per_node=data.draw(st.sampled_from([2, 4, 8])),
+                units_per_second=data.draw(st.sampled_from([1e9, 1e12])),
+            )
+        total = sum(map(sum, lens))
+        if total and data.draw(st.booleans()):
+            cap = data.draw(st.integers(max(1, -(-total // S)), max(1, total)))
+    try:
+        auto = plan_sequences(lens, "auto", AUTO_MODEL, max_tokens_per_rank=cap, link=link)
+    except ValueError as exc:
+        assert cap is not None and "max_tokens_per_rank" in str(exc)
+        return
+    auto.validate()
+    assert auto.tokens_per_rank().sum() == sum(map(sum, lens))
+    if cap is not None:
+        assert auto.tokens_per_rank().max(initial=0) <= cap
+    from knapformer.plan import PlanProblem
+
+    sizes = list(PlanProblem(seq_lens=lens, layout="auto", model=AUTO_MODEL, link=link).degrees)
+    assert set(auto.group_sizes().tolist()) <= set(sizes)
+    for spec in _fixed_layouts(S, sizes):
+        try:
+            fixed = plan_sequences(lens, spec, AUTO_MODEL, max_tokens_per_rank=cap, link=link)
+        except ValueError:
+            continue
+        assert auto.makespan <= fixed.makespan * (1 + 1e-9), (spec, auto.makespan, fixed.makespan)

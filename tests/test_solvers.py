@@ -23,6 +23,11 @@ SMALL = [
 ]
 
 
+def layout_for(info, spec):
+    """The layout a solver plans: the bag layout, or ``auto`` for the moldable solver."""
+    return "auto" if info.moldable else spec
+
+
 def fluid_makespan(problem, seq_bag):
     load = np.bincount(seq_bag, weights=problem.work, minlength=len(problem.bags))
     return float((load / problem.bag_capacity).max())
@@ -41,7 +46,7 @@ def brute_force(problem):
 def test_solver_contract(name, spec, lens):
     """Valid plan, not below the bound; every promise flag the solver declares holds."""
     info = get_solver(name)
-    problem = PlanProblem(seq_lens=lens, layout=spec, model=MODEL)
+    problem = PlanProblem(seq_lens=lens, layout=layout_for(info, spec), model=MODEL)
     plan = info(problem)
     plan.validate()
     assert plan.solver == name
@@ -51,7 +56,7 @@ def test_solver_contract(name, spec, lens):
     if problem.num_seqs <= info.never_worse_than_paper_up_to:
         assert plan.makespan <= plan_sequences(lens, spec, MODEL, solver="paper").makespan * (1 + 1e-12)
     if info.deterministic:
-        assert info(PlanProblem(seq_lens=lens, layout=spec, model=MODEL)).digest() == plan.digest()
+        assert info(PlanProblem(seq_lens=lens, layout=layout_for(info, spec), model=MODEL)).digest() == plan.digest()
     if not info.takes_time_budget:
         with pytest.raises(ValueError, match=f"solver '{name}' takes no time budget"):
             info(problem, time_budget_s=1.0)
@@ -62,7 +67,7 @@ def test_locality_aware_solvers_keep_balanced_input_home(name):
     """On input that is already perfectly balanced, a locality-aware solver moves nothing."""
     info = get_solver(name)
     lens = [[100, 50], [100, 50], [100, 50], [100, 50]]
-    plan = info(PlanProblem(seq_lens=lens, layout="g1n4", model=MODEL))
+    plan = info(PlanProblem(seq_lens=lens, layout=layout_for(info, "g1n4"), model=MODEL))
     if info.locality_aware:
         assert plan.tokens_moved == 0
 
@@ -71,7 +76,9 @@ def test_locality_aware_solvers_keep_balanced_input_home(name):
 def test_memory_aware_solvers_find_plans_under_a_tight_cap(name):
     """A cap that only "keep every sequence at home" meets: memory-aware solvers return it."""
     info = get_solver(name)
-    problem = PlanProblem(seq_lens=[[3, 3], [2, 2, 2]], layout="g1n2", model=MODEL, max_tokens_per_rank=6)
+    problem = PlanProblem(
+        seq_lens=[[3, 3], [2, 2, 2]], layout=layout_for(info, "g1n2"), model=MODEL, max_tokens_per_rank=6
+    )
     if not info.memory_aware:
         return
     plan = info(problem)
@@ -129,7 +136,8 @@ def test_determinism_across_processes(name):
     code = (
         "import json,sys; from knapformer import plan_sequences, WorkloadModel;"
         "lens=json.loads(sys.stdin.read());"
-        f"print(plan_sequences(lens,'g1n8+g2n4+g4n2+g8n1',WorkloadModel(d_model=3072),solver={name!r}).digest())"
+        f"print(plan_sequences(lens,{'auto' if SOLVERS[name].moldable else 'g1n8+g2n4+g4n2+g8n1'!r},"
+        f"WorkloadModel(d_model=3072, num_heads=24),solver={name!r}).digest())"
     )
     digests = set()
     for seed in ("0", "1", "12345"):
@@ -151,8 +159,17 @@ def test_beats_paper_on_mixed_layouts():
 
 
 def test_unknown_solver():
-    with pytest.raises(ValueError, match=r"unknown solver 'nope'; choose one of \['exact', 'lpt', 'paper'\]"):
+    with pytest.raises(
+        ValueError, match=r"unknown solver 'nope'; choose one of \['exact', 'lpt', 'moldable', 'paper'\]"
+    ):
         plan_sequences([[1]], "g1n1", MODEL, solver="nope")
+
+
+def test_solvers_refuse_the_other_kind_of_layout():
+    with pytest.raises(ValueError, match="solver 'lpt' plans bag layouts, not 'auto:n2'"):
+        plan_sequences([[1], [2]], "auto", MODEL, solver="lpt")
+    with pytest.raises(ValueError, match="solver 'moldable' plans layout 'auto', not 'g1n2'"):
+        plan_sequences([[1], [2]], "g1n2", MODEL, solver="moldable")
 
 
 @pytest.mark.parametrize(

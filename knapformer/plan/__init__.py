@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from knapformer.layout import BagLayout
+from knapformer.layout import AutoLayout, BagLayout
+from knapformer.plan.cost import LinkModel
 from knapformer.plan.plan import (
     InvalidPlanError,
     Plan,
@@ -20,7 +21,7 @@ from knapformer.plan.plan import (
 )
 from knapformer.plan.problem import PlanProblem, SolverOptions, validate_seq_lens
 from knapformer.plan.seqindex import SeqIndex
-from knapformer.plan.solvers import DEFAULT_SOLVER, SOLVERS, SolverInfo, get_solver
+from knapformer.plan.solvers import DEFAULT_SOLVER, SOLVERS, SolverInfo, default_solver, get_solver
 from knapformer.workload import WorkloadModel
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "SolverOptions",
     "build_plan",
     "chunk_table",
+    "default_solver",
     "get_solver",
     "plan_from_groups",
     "plan_sequences",
@@ -45,20 +47,24 @@ __all__ = [
 
 def plan_sequences(
     seq_lens: Sequence[Sequence[int]],
-    layout: str | BagLayout,
+    layout: str | BagLayout | AutoLayout,
     model: WorkloadModel,
     *,
-    solver: str = DEFAULT_SOLVER,
+    solver: str | None = None,
     max_tokens_per_rank: int | None = None,
     rank_speed: Sequence[float] | None = None,
     time_budget_s: float | None = None,
     options: SolverOptions | None = None,
+    link: LinkModel | None = None,
 ) -> Plan:
     """Plan one step for one balancing group. Deterministic for identical input.
 
+    ``layout`` is a bag layout (``"g1n4+g2n2"``) or ``"auto"`` (each sequence's group chosen
+    per step); ``solver`` defaults to ``lpt`` for bag layouts and ``moldable`` for ``auto``.
     ``time_budget_s`` is for solvers that declare ``takes_time_budget`` (others refuse it);
-    ``options`` tunes the solvers' iteration counts and tie-breaking."""
-    info = get_solver(solver)
+    ``options`` tunes the solvers' iteration counts and tie-breaking; ``link`` prices the
+    Ulysses and route exchanges (``knapformer.plan.cost.LinkModel``)."""
+    info = get_solver(solver if solver is not None else default_solver(layout))
     problem = PlanProblem(
         seq_lens=seq_lens,
         layout=layout,
@@ -66,5 +72,6 @@ def plan_sequences(
         max_tokens_per_rank=max_tokens_per_rank,
         rank_speed=rank_speed,
         options=options if options is not None else SolverOptions(),
+        link=link,
     )
     return info(problem, time_budget_s=time_budget_s)

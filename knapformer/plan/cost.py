@@ -35,6 +35,7 @@ __all__ = [
     "LinkModel",
     "a2a_seconds",
     "comm_features",
+    "member_comm_estimate",
     "member_comm_lower",
     "route_seconds",
     "ulysses_seconds",
@@ -210,3 +211,22 @@ def member_comm_lower(L: np.ndarray, k: int, model: WorkloadModel, link: LinkMod
     other = L - np.ceil(L / k)
     seconds = other * (w[0] + o[0]) * link.bytes_per_value / bw * link.exchange_passes
     return seconds * link.units_per_second
+
+
+def member_comm_estimate(L: np.ndarray, k: int, model: WorkloadModel, link: LinkModel, *, cross: bool = False):
+    """What one member of a k-group typically pays for a sequence of length L, in cost units:
+    it holds L/k tokens, so it sends and receives L·(k−1)/k tokens' heads per exchange (plus
+    the local copies). The planner's per-sequence estimate; plans are then priced exactly by
+    :func:`ulysses_seconds`."""
+    if k <= 1:
+        return np.zeros(np.shape(L))
+    w, o = widths(np.asarray([k]), model)
+    bw = link.inter_bw if cross else link.intra_bw
+    L = np.asarray(L, dtype=np.float64)
+    moved = L * (k - 1) / k * (w[0] + o[0]) * link.bytes_per_value
+    seconds = moved / bw
+    if link.copy_bw is not None:
+        h, h_kv, d = heads_of(model)
+        copied = L / k * ((h + 2 * h_kv) * d + h * d + k * (w[0] + o[0]))  # pack + gather, pre and post
+        seconds = seconds + copied * link.bytes_per_value / link.copy_bw
+    return seconds * link.exchange_passes * link.units_per_second

@@ -17,9 +17,10 @@ from knapformer.plan.plan import Plan
 from knapformer.plan.problem import PlanProblem
 from knapformer.plan.solvers.exact import solve_exact
 from knapformer.plan.solvers.lpt import HEAP_ITEMS, solve_lpt
+from knapformer.plan.solvers.moldable import solve_moldable
 from knapformer.plan.solvers.paper import solve_paper
 
-__all__ = ["SolverInfo", "SOLVERS", "DEFAULT_SOLVER", "get_solver"]
+__all__ = ["DEFAULT_SOLVER", "SOLVERS", "SolverInfo", "default_solver", "get_solver"]
 
 SolverFn = Callable[..., Plan]
 
@@ -46,8 +47,16 @@ class SolverInfo:
     """Honours ``time_budget_s``; solvers without the flag refuse one instead of ignoring it."""
     scales: bool = True
     """Fast enough for thousands of ranks."""
+    moldable: bool = False
+    """Plans layout ``auto`` (chooses every sequence's group); the others plan bag layouts."""
 
     def __call__(self, problem: PlanProblem, *, time_budget_s: float | None = None) -> Plan:
+        if problem.auto != self.moldable:
+            kind = "layout 'auto'" if self.moldable else "bag layouts"
+            raise ValueError(
+                f"solver {self.name!r} plans {kind}, not {problem.layout.spec()!r}; "
+                f"use {'moldable' if problem.auto else DEFAULT_SOLVER!r} (the default for this layout)"
+            )
         if time_budget_s is not None:
             if not self.takes_time_budget:
                 raise ValueError(
@@ -67,8 +76,19 @@ SOLVERS: dict[str, SolverInfo] = {
     ),
     "paper": SolverInfo("paper", solve_paper),
     "exact": SolverInfo("exact", solve_exact, optimal=True, memory_aware=True, takes_time_budget=True, scales=False),
+    "moldable": SolverInfo(
+        "moldable", solve_moldable, locality_aware=True, memory_aware=True, takes_time_budget=True, moldable=True
+    ),
 }
 DEFAULT_SOLVER = "lpt"
+"""The default for bag layouts; layout ``auto`` defaults to ``moldable``."""
+
+
+def default_solver(layout) -> str:
+    """The solver a layout gets when none is named."""
+    from knapformer.layout import AutoLayout, parse_layout
+
+    return "moldable" if isinstance(parse_layout(layout), AutoLayout) else DEFAULT_SOLVER
 
 
 def get_solver(name: str) -> SolverInfo:

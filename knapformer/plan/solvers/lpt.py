@@ -37,9 +37,10 @@ from knapformer.plan.solvers.fit import best_fit_decreasing, exhaustive_fit, hom
 from knapformer.plan.solvers.paper import paper_assignment
 from knapformer.plan.solvers.refine import local_search, relabel_for_locality
 
-__all__ = ["solve_lpt", "lpt_assignment", "home_assignment"]
+__all__ = ["home_assignment", "lpt_assignment", "lpt_fill", "solve_lpt"]
 
 HEAP_ITEMS = 8192  # beyond this many sequences, water-fill the middle ones
+_SLOT_PASSES = 4  # slots per bag rank in one round of the batched LPT
 
 
 def _insert(problem: PlanProblem, items: list[int], seq_bag: np.ndarray, load: np.ndarray, tok: np.ndarray) -> None:
@@ -89,14 +90,17 @@ def _insert(problem: PlanProblem, items: list[int], seq_bag: np.ndarray, load: n
 
 
 def _rounds(problem: PlanProblem, items: np.ndarray, seq_bag: np.ndarray, load: np.ndarray) -> None:
-    """Batched LPT for many items, in place: a k-rank bag is k slots that fill together, so
-    each round takes the next S items (S = ranks) and gives them, largest first, to the S slots
-    with the earliest projected finish ``(load + (j + ½)·mean item) / capacity`` (slot j of its
-    bag). O(rounds · S log S) numpy instead of a Python step per item."""
+    """Batched LPT for many items, in place: a k-rank bag is k slots per pass that fill
+    together; each round takes the next S items (S = ranks) and gives them, largest first, to
+    the S slots with the earliest projected finish ``(load + (j + ½)·mean item) / capacity``
+    (slot j of its bag, up to ``_SLOT_PASSES`` passes, so a bag far behind takes several items
+    in one round and one far ahead — e.g. holding a big multi-rank sequence — takes none).
+    O(rounds · S log S) numpy instead of a Python step per item."""
     kap = problem.bag_capacity
-    slots_bag = np.repeat(np.arange(len(kap)), problem.bag_size)
-    slots_j = np.arange(slots_bag.size) - np.repeat(np.cumsum(problem.bag_size) - problem.bag_size, problem.bag_size)
-    S = slots_bag.size
+    size = problem.bag_size * _SLOT_PASSES
+    slots_bag = np.repeat(np.arange(len(kap)), size)
+    slots_j = np.arange(slots_bag.size) - np.repeat(np.cumsum(size) - size, size)
+    S = int(problem.bag_size.sum())
     w_all = problem.work
     for start in range(0, items.size, S):
         chunk = items[start : start + S]
@@ -108,22 +112,28 @@ def _rounds(problem: PlanProblem, items: np.ndarray, seq_bag: np.ndarray, load: 
         load += sum_by(target, w, len(kap))
 
 
-def lpt_assignment(problem: PlanProblem) -> np.ndarray:
-    """(n,) bags by earliest-finish LPT. For large inputs the big head and the small tail go
+def lpt_fill(problem: PlanProblem, order: np.ndarray, seq_bag: np.ndarray, load: np.ndarray, tok: np.ndarray) -> None:
+    """Earliest-finish LPT of the sequences ``order`` (by decreasing work) on top of the bags'
+    current ``load``/``tok``, in place. For many items the big head and the small tail go
     through the exact insertion and only the middle is water-filled."""
-    n, B = problem.num_seqs, len(problem.bags)
-    seq_bag = np.zeros(n, dtype=np.int64)
-    order = np.argsort(-problem.work, kind="stable")
-    load, tok = np.zeros(B), np.zeros(B, dtype=np.int64)
-    if n <= HEAP_ITEMS or problem.max_tokens_per_rank is not None:
+    B = len(problem.bags)
+    if order.size <= HEAP_ITEMS or problem.max_tokens_per_rank is not None:
         _insert(problem, order.tolist(), seq_bag, load, tok)
-        return seq_bag
+        return
     h = t = min(2 * B, HEAP_ITEMS // 2)
     head, middle, tail = order[:h], order[h:-t], order[-t:]
     _insert(problem, head.tolist(), seq_bag, load, tok)
     _rounds(problem, middle, seq_bag, load)
-    tok[:] = sum_by(seq_bag[order[:-t]], problem.lengths[order[:-t]], B)
+    tok += sum_by(seq_bag[middle], problem.lengths[middle], B).astype(np.int64)
     _insert(problem, tail.tolist(), seq_bag, load, tok)
+
+
+def lpt_assignment(problem: PlanProblem) -> np.ndarray:
+    """(n,) bags by earliest-finish LPT (:func:`lpt_fill` from empty bags)."""
+    n, B = problem.num_seqs, len(problem.bags)
+    seq_bag = np.zeros(n, dtype=np.int64)
+    order = np.argsort(-problem.work, kind="stable")
+    lpt_fill(problem, order, seq_bag, np.zeros(B), np.zeros(B, dtype=np.int64))
     return seq_bag
 
 

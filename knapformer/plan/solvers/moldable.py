@@ -1,0 +1,211 @@
+"""Moldable planner (layout ``auto``): every step, each sequence's parallel degree and ranks.
+
+A sequence of length L on a k-rank group costs each member ``lin(L/k) + quad(L)/k + per_seq``
+plus its share of the Ulysses exchanges (:func:`~knapformer.plan.cost.member_comm_estimate`),
+so sharding is free only when communication is. The planner:
+
+1. **Degrees.** For a target makespan T (a multiple α of the moldable lower bound), each
+   sequence takes the *smallest* allowed degree whose per-member cost fits under T (else the
+   degree with the lowest per-member cost): short sequences stay whole, long ones are split
+   just enough.
+2. **Groups.** Multi-rank sequences, largest per-member cost first, go to the aligned block of
+   k ranks (inside a node, or whole nodes when k exceeds a node) with the earliest finish of
+   its busiest member (ties: a block holding the sequence's source rank, then the lowest).
+3. **Whole sequences** fill the ranks around them by earliest-finish LPT (exact insertion for
+   the largest and smallest, vectorised rounds for the middle) and a local search moves and
+   swaps them off the critical rank.
+
+Candidates: α = 1 (and α = 1/8, "split more", for up to 2,048 sequences), and — so that
+``auto`` is never worse than a fixed layout the user could have chosen — up to 16 ranks every
+bag layout of the allowed sizes (uniform and mixed) planned by the default solver. All are
+priced by the same cost function (communication included); the best wins, ties going to
+fewer tokens moved but never above the best fixed-layout plan.
+
+``time_budget_s`` buys more candidates (more α, then the uniform layouts' plans at any size),
+turned into a *count* at a fixed rate (:data:`CANDIDATES_PER_SECOND`, measured on the
+development machine) so that every rank plans the same candidates whatever its clock says: a
+plan always returns (the first candidate at once), and more budget can only improve it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import numpy as np
+
+from knapformer.layout import BagLayout
+from knapformer.plan.cost import member_comm_estimate
+from knapformer.plan.plan import Plan, build_plan
+from knapformer.plan.problem import PlanProblem
+from knapformer.plan.solvers.common import stamp
+from knapformer.plan.solvers.lpt import lpt_fill, solve_lpt
+from knapformer.plan.solvers.refine import local_search
+
+__all__ = ["CANDIDATES_PER_SECOND", "fixed_layouts", "solve_moldable"]
+
+ALPHAS = (1.0, 0.125, 0.5, 0.7, 0.25, 1.4, 2.0, 1e-9)
+"""Targets tried, as multiples of the lower bound, in this order (1e-9: split as far as the
+per-member cost falls)."""
+CANDIDATES_PER_SECOND = 40
+"""How many α candidates a second of ``time_budget_s`` buys (a 1,024-rank step plans one in
+~25 ms on the 2-core development machine)."""
+_FIXED_ALL_UP_TO = 16
+"""Up to this many ranks every fixed bag layout is a candidate; above, the uniform ones."""
+
+
+def member_costs(problem: PlanProblem) -> tuple[tuple[int, ...], np.ndarray]:
+    """(degrees, (|D|, n) per-member cost of each sequence at each degree, in cost units)."""
+    D = problem.degrees
+    L = problem.lengths
+    model, link = problem.model, problem.link
+    rows = []
+    for k in D:
+        c = model.chunk_cost(-(-L // k), L, k)
+        if link is not None and k > 1:
+            c = c + member_comm_estimate(L, k, model, link, cross=k > link.gpus_per_node)
+        rows.append(np.asarray(c, dtype=np.float64))
+    return D, np.stack(rows) if rows else np.zeros((0, problem.num_seqs))
+
+
+def _blocks(S: int, k: int) -> np.ndarray:
+    """(S/k, k) aligned blocks of k consecutive ranks."""
+    return np.arange(S, dtype=np.int64).reshape(S // k, k)
+
+
+def _candidate(problem: PlanProblem, D, cost: np.ndarray, target: float) -> Plan | None:
+    S, n = problem.num_ranks, problem.num_seqs
+    speed = problem.speed
+    cap = problem.max_tokens_per_rank
+    L = problem.lengths
+    fits = cost <= target
+    pick = np.where(fits.any(axis=0), fits.argmax(axis=0), cost.argmin(axis=0))
+    degree = np.asarray(D, dtype=np.int64)[pick]
+    c = cost[pick, np.arange(n)]
+    load = np.zeros(S)  # work units per rank (time = load / speed)
+    tok = np.zeros(S, dtype=np.int64)
+    groups: list[tuple[int, ...]] = [(r,) for r in range(S)]
+    index_of = {}
+    seq_group = np.zeros(n, dtype=np.int64)
+    multi = np.flatnonzero(degree > 1)
+    multi = multi[np.argsort(-c[multi], kind="stable")]
+    home = problem.src_rank
+    blocks = {k: _blocks(S, k) for k in set(degree[multi].tolist())}
+    for g in multi.tolist():
+        k = int(degree[g])
+        B = blocks[k]
+        finish = (load[B] + c[g] / speed[B]).max(axis=1)
+        if cap is not None:
+            finish = np.where((tok[B] + -(-int(L[g]) // k) <= cap).all(axis=1), finish, np.inf)
+        best = finish.min()
+        if not np.isfinite(best):
+            return None
+        near = np.flatnonzero(finish <= best * (1 + 1e-12))
+        at_home = near[(B[near] == home[g]).any(axis=1)]
+        b = int(at_home[0] if at_home.size else near[0])
+        members = tuple(int(r) for r in B[b])
+        load[list(members)] += c[g]
+        tok[list(members)] += -(-int(L[g]) // k)
+        if members not in index_of:
+            index_of[members] = len(groups)
+            groups.append(members)
+        seq_group[g] = index_of[members]
+    # whole sequences: LPT over single ranks (the problem's bags are the ranks), then local search
+    single = np.flatnonzero(degree == 1)
+    single = single[np.argsort(-problem.work[single], kind="stable")]
+    base_load, base_tok = load.copy(), tok.copy()
+    try:
+        lpt_fill(problem, single, seq_group, load, tok)
+    except ValueError:  # no rank has room under the cap for some sequence
+        return None
+    movable = degree == 1
+    opts = problem.options
+    gap = opts.stop_gap if opts.stop_gap is not None else (5e-5 if n <= 2048 else 1e-3)
+    iters = opts.max_iters if opts.max_iters is not None else min(2 * S + 200, 1000)
+    seq_group = local_search(
+        problem,
+        seq_group,
+        movable=movable,
+        base_load=base_load,
+        base_tok=base_tok,
+        stop_at=max(problem.lower_bound, float(load.sum() / speed.sum())) * (1 + gap),  # balance beats no mean
+        max_iters=iters,
+    )
+    try:
+        return build_plan(problem, seq_group, solver="moldable", groups=groups)
+    except ValueError:
+        return None
+
+
+def fixed_layouts(problem: PlanProblem) -> list[str]:
+    """Bag layouts of the allowed sizes the user could have chosen: all of them (uniform and
+    mixed, sizes ascending over contiguous ranks) up to ``_FIXED_ALL_UP_TO`` ranks, else the
+    uniform ones."""
+    S, D = problem.num_ranks, problem.degrees
+    uniform = [f"g{k}n{S // k}" for k in D]
+    if S > _FIXED_ALL_UP_TO:
+        return uniform
+    out = []
+    for counts in itertools.product(*[range(S // k + 1) for k in D]):
+        if sum(k * c for k, c in zip(D, counts)) == S:
+            out.append("+".join(f"g{k}n{c}" for k, c in zip(D, counts) if c))
+    return out
+
+
+def _fixed_candidates(problem: PlanProblem, specs: list[str]) -> list[Plan]:
+    out = []
+    for spec in specs:
+        sub = PlanProblem(
+            seq_lens=problem.seq_lens,
+            layout=BagLayout(tuple((k, n) for k, n in _terms(spec))),
+            model=problem.model,
+            max_tokens_per_rank=problem.max_tokens_per_rank,
+            rank_speed=problem.rank_speed,
+            options=problem.options,
+            link=problem.link,
+        )
+        try:
+            out.append(solve_lpt(sub))
+        except ValueError:  # the cap cannot be met under this layout
+            continue
+    return out
+
+
+def _terms(spec: str):
+    for term in spec.split("+"):
+        g, n = term[1:].split("n")
+        yield int(g), int(n)
+
+
+def solve_moldable(problem: PlanProblem, *, time_budget_s: float | None = None) -> Plan:
+    """Best of the moldable candidates and the fixed-layout plans (module docstring)."""
+    t0 = time.perf_counter()
+    if not problem.auto:
+        raise ValueError("the moldable solver plans layout 'auto'; bag layouts use 'lpt', 'paper' or 'exact'")
+    problem.check_capacity()
+    n = problem.num_seqs
+    if n == 0:
+        return stamp(build_plan(problem, np.zeros(0, dtype=np.int64), solver="moldable"), t0)
+    D, cost = member_costs(problem)
+    lb = problem.lower_bound
+    # the work to do, as a count (identical on every rank): α candidates, then uniform layouts
+    extra = 0 if time_budget_s is None else int(time_budget_s * CANDIDATES_PER_SECOND)
+    n_alpha = min(len(ALPHAS), (2 if n <= 2048 else 1) + extra)
+    fixed = fixed_layouts(problem) if problem.num_ranks <= _FIXED_ALL_UP_TO else []
+    if extra > len(ALPHAS) - n_alpha or (extra and problem.num_ranks > _FIXED_ALL_UP_TO):
+        uniform = [f"g{k}n{problem.num_ranks // k}" for k in D]
+        fixed += [s for s in uniform if s not in fixed][: max(0, extra - (n_alpha - 1))]
+    candidates = [p for a in ALPHAS[:n_alpha] if (p := _candidate(problem, D, cost, lb * a)) is not None]
+    for p in _fixed_candidates(problem, fixed):
+        object.__setattr__(p, "lower_bound", problem.lower_bound)  # the moldable bound, for every candidate
+        object.__setattr__(p, "solver", "moldable")
+        candidates.append(p)
+    if not candidates:
+        raise ValueError(
+            f"no plan found under max_tokens_per_rank={problem.max_tokens_per_rank} with groups of sizes {list(D)}"
+        )
+    tol = problem.options.tie_tolerance
+    best = min(p.makespan for p in candidates)
+    ceiling = min((p.makespan for p in candidates if p.is_partition and p is not None), default=np.inf)
+    tied = [p for p in candidates if p.makespan <= min(best * (1 + tol), ceiling)]  # never above a fixed layout
+    return stamp(min(tied, key=lambda p: (p.tokens_moved, p.makespan)), t0)
