@@ -11,13 +11,15 @@ once (:func:`knapformer.tools.cli_support.add_balancer_args`), so ``knapformer p
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 from dataclasses import dataclass, field, fields
 
-from knapformer.layout import BagLayout, parse_layout
-from knapformer.plan import DEFAULT_SOLVER, SolverOptions, get_solver
+from knapformer.layout import AutoLayout, BagLayout, parse_layout
+from knapformer.plan import SolverOptions, default_solver, get_solver
+from knapformer.plan.cost import LinkModel
 from knapformer.plan.problem import validate_rank_speed
 from knapformer.workload import WorkloadModel
 
@@ -32,13 +34,21 @@ in step so this module stays torch-free)."""
 class BalancerConfig:
     """Settings of one balancer; validated on construction (errors name the field)."""
 
-    layout: str | BagLayout
-    """Bag layout of one balancing group, e.g. ``"g1n4+g2n2"``; a group smaller than the world
-    is tiled into replicas."""
+    layout: str | BagLayout | AutoLayout
+    """Bag layout of one balancing group, e.g. ``"g1n4+g2n2"``, or ``"auto"`` (every sequence's
+    group chosen per step; ``auto:max8`` caps the degree, ``auto:n16`` tiles the world into
+    16-rank groups); a group smaller than the world is tiled into replicas."""
     cost: WorkloadModel | str | os.PathLike
-    """The planner's cost model, or the path of a calibrated profile (``knapformer calibrate``)."""
-    solver: str = DEFAULT_SOLVER
-    """Planner name (``knapformer.plan.SOLVERS``)."""
+    """The planner's cost model, or the path of a calibrated profile (``knapformer calibrate``).
+    For ``auto``, give it ``num_heads`` (and ``num_kv_heads``) so only degrees the heads allow
+    are chosen (without: power-of-two degrees up to 8)."""
+    solver: str | None = None
+    """Planner name (``knapformer.plan.SOLVERS``); None = ``lpt`` for bag layouts, ``moldable``
+    for ``auto``."""
+    link: LinkModel | None = None
+    """Links between the ranks (``knapformer.plan.cost.LinkModel``, e.g. a hardware preset's
+    ``Hardware.link``): prices the exchanges so that ``auto`` splits a sequence only when it
+    pays. None = communication is free in the plan's predicted times."""
     max_tokens_per_rank: int | None = None
     """Memory cap: no rank holds more routed tokens in a step. None = unlimited."""
     rank_speed: tuple[float, ...] | None = None
@@ -55,18 +65,25 @@ class BalancerConfig:
     def __post_init__(self) -> None:
         layout = parse_layout(self.layout)
         object.__setattr__(self, "layout", layout)
+        if self.solver is None:
+            object.__setattr__(self, "solver", default_solver(layout))
+        if self.link is not None and not isinstance(self.link, LinkModel):
+            raise TypeError(f"BalancerConfig.link must be a LinkModel, got {type(self.link).__name__}")
         cost = self.cost
         if isinstance(cost, (str, os.PathLike)):
             cost = WorkloadModel.from_profile(cost)
         if not isinstance(cost, WorkloadModel):
             raise TypeError(f"BalancerConfig.cost must be a WorkloadModel or a profile path, got {type(cost).__name__}")
         object.__setattr__(self, "cost", cost)
-        get_solver(self.solver)
+        info = get_solver(self.solver)
+        if info.moldable != isinstance(layout, AutoLayout):
+            raise ValueError(f"solver {self.solver!r} does not plan layout {layout.spec()!r}; leave solver unset")
         cap = self.max_tokens_per_rank
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0):
             raise ValueError(f"BalancerConfig.max_tokens_per_rank must be a positive int or None, got {cap!r}")
         if self.rank_speed is not None:
-            object.__setattr__(self, "rank_speed", validate_rank_speed(self.rank_speed, layout.group_size))
+            size = layout.num_ranks if isinstance(layout, AutoLayout) else layout.group_size
+            object.__setattr__(self, "rank_speed", validate_rank_speed(self.rank_speed, size or len(self.rank_speed)))
         if self.attn_backend not in ATTN_BACKENDS:
             raise ValueError(f"unknown attention backend {self.attn_backend!r}; choose one of {list(ATTN_BACKENDS)}")
         if not isinstance(self.debug, bool):
@@ -78,14 +95,23 @@ class BalancerConfig:
     def group_size(self) -> int:
         return self.layout.group_size
 
+    def resolved(self, num_ranks: int) -> BalancerConfig:
+        """This config for a balancing group of ``num_ranks`` ranks (``auto`` without a size
+        takes it; the rest is unchanged)."""
+        if isinstance(self.layout, AutoLayout) and self.layout.num_ranks is None:
+            return dataclasses.replace(self, layout=self.layout.resolved(num_ranks))
+        return self
+
     def settings(self) -> dict[str, str]:
         """Each setting as a canonical string: what ranks compare to agree on the configuration
         (the cost model by its coefficients, not by its provenance)."""
         out = {}
         for f in fields(self):
             v = getattr(self, f.name)
-            if isinstance(v, BagLayout):
+            if isinstance(v, (BagLayout, AutoLayout)):
                 v = v.spec()
+            elif isinstance(v, LinkModel):
+                v = {g.name: getattr(v, g.name) for g in fields(v)}
             elif isinstance(v, WorkloadModel):
                 v = {k: x for k, x in v.to_dict().items() if k != "meta"}
             elif isinstance(v, SolverOptions):

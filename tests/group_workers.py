@@ -64,74 +64,100 @@ def check_overlapping_groups(rank: int, world: int, heads: int, kv_heads: int, s
     """Round trips bit-exact (fp32, bf16, int64, bool); attention, causal and not, and the
     gradients of a qkv -> attention -> projection layer equal one process (fp64)."""
     bal = SequenceBalancer(f"g1n{world}", MODEL)
-    D = 4
     seen = {"mixed_rank": False, "idle_rank": False}
     for step in range(steps):
         plan = random_group_plan(world, seed + step, sizes)
         plan.validate()
         bal.use_plan(plan)
-        lens = [n for r in plan.seq_lens for n in r]
-        total, mine = sum(lens), _mine(plan, rank)
-        g = torch.Generator().manual_seed(seed + step)
-        # -- round trips, every dtype in one call
-        xs = (
-            torch.randn(total, 3, generator=g)[mine],
-            torch.randn(total, 2, 2, generator=g).to(torch.bfloat16)[mine],
-            torch.randint(-(2**62), 2**62, (total,), generator=g)[mine],
-            (torch.randn(total, generator=g) > 0)[mine],
-        )
-        back = bal.reverse_route(*bal.route(*xs))
-        for a, b in zip(back, xs):
-            assert a.dtype == b.dtype and torch.equal(a, b), "reverse_route(route(x)) != x"
-        # -- attention
-        q = torch.randn(total, heads, D, generator=g, dtype=torch.float64)
-        k = torch.randn(total, kv_heads, D, generator=g, dtype=torch.float64)
-        v = torch.randn(total, kv_heads, D + 2, generator=g, dtype=torch.float64)
-        for causal in (False, True):
-            ref = reference_attention(q, k, v, lens, causal=causal)[mine]
-            out = bal.reverse_route(bal.attention(*bal.route(q[mine], k[mine], v[mine]), causal=causal))
-            _close(out, ref, f"step {step} attention causal={causal}", 1e-10)
-        # -- the custom-kernel path: pre_attn -> one varlen call -> post_attn
-        from knapformer.attention import varlen_attention
-
-        q2, k2, v2, cu, mx = bal.pre_attn(*bal.route(q[mine], k[mine], v[mine]))
-        out = bal.reverse_route(bal.post_attn(varlen_attention(q2, k2, v2, cu, mx)))
-        _close(out, reference_attention(q, k, v, lens)[mine], f"step {step} pre_attn/post_attn", 1e-10)
-        # -- gradients through qkv projection, attention, output projection
-        F = 6
-        x = torch.randn(total, F, generator=g, dtype=torch.float64)
-        wq = torch.randn(F, heads * D, generator=g, dtype=torch.float64)
-        wk = torch.randn(F, kv_heads * D, generator=g, dtype=torch.float64)
-        wv = torch.randn(F, kv_heads * (D + 2), generator=g, dtype=torch.float64)
-        wo = torch.randn(heads * (D + 2), F, generator=g, dtype=torch.float64)
-        target = torch.randn(total, F, generator=g, dtype=torch.float64)
-
-        def layer(xs, ws, attend):
-            n = xs.shape[0]
-            qq = (xs @ ws[0]).view(n, heads, D)
-            kk = (xs @ ws[1]).view(n, kv_heads, D)
-            vv = (xs @ ws[2]).view(n, kv_heads, D + 2)
-            return attend(qq, kk, vv).reshape(n, heads * (D + 2)) @ ws[3]
-
-        ref_x = x.clone().requires_grad_()
-        ref_w = [w.clone().requires_grad_() for w in (wq, wk, wv, wo)]
-        out_r = layer(ref_x, ref_w, lambda a, b, c, lens=lens: reference_attention(a, b, c, lens, causal=True))
-        (out_r * target).sum().backward()
-        bx = x[mine].clone().requires_grad_()
-        bw = [w.clone().requires_grad_() for w in (wq, wk, wv, wo)]
-        out_b = bal.reverse_route(layer(bal.route(bx), bw, lambda a, b, c: bal.attention(a, b, c, causal=True)))
-        _close(out_b, out_r.detach()[mine], f"step {step} layer forward", 1e-10)
-        (out_b * target[mine]).sum().backward()
-        _close(bx.grad, ref_x.grad[mine], f"step {step} grad x", 1e-10)
-        for name, w, r in zip(("wq", "wk", "wv", "wo"), bw, ref_w):
-            grad = w.grad.clone()
-            torch.distributed.all_reduce(grad, group=bal.group)
-            _close(grad, r.grad, f"step {step} grad {name}", 1e-10)
-        spec = bal.spec
-        degrees = {e.degree for e in spec.entries}
-        seen["mixed_rank"] |= 1 in degrees and len(degrees) >= 2
-        seen["idle_rank"] |= spec.num_routed == 0
+        _check_step(bal, plan, rank, heads, kv_heads, seed + step, seen)
     return seen
+
+
+def check_auto_balancer(rank: int, world: int, heads: int, steps: int, seed: int) -> dict:
+    """Layout ``auto`` planned inside the balancer (communication priced): the same exactness."""
+    from knapformer.plan.cost import LinkModel
+
+    model = WorkloadModel(d_model=heads * 4, num_heads=heads)
+    link = LinkModel(intra_bw=1e9, inter_bw=1e9, gpus_per_node=world, units_per_second=1e9)
+    bal = SequenceBalancer("auto", model, link=link)
+    seen = {"mixed_rank": False, "idle_rank": False, "partition": []}
+    for step in range(steps):
+        rng = np.random.default_rng(seed + step)
+        lens = [
+            np.clip(rng.lognormal(3, 1.3, size=int(rng.integers(0, 5))), 1, 400).astype(int).tolist()
+            for _ in range(world)
+        ]
+        lens[0] += [300 + 20 * step]  # one long sequence every step
+        plan = bal.plan(lens[rank])
+        seen["partition"].append(plan.is_partition)
+        _check_step(bal, plan, rank, heads, heads, seed + step, seen)
+    return seen
+
+
+def _check_step(bal, plan, rank, heads, kv_heads, seed, seen) -> None:
+    D = 4
+    step = seed
+    lens = [n for r in plan.seq_lens for n in r]
+    total, mine = sum(lens), _mine(plan, rank)
+    g = torch.Generator().manual_seed(seed + step)
+    # -- round trips, every dtype in one call
+    xs = (
+        torch.randn(total, 3, generator=g)[mine],
+        torch.randn(total, 2, 2, generator=g).to(torch.bfloat16)[mine],
+        torch.randint(-(2**62), 2**62, (total,), generator=g)[mine],
+        (torch.randn(total, generator=g) > 0)[mine],
+    )
+    back = bal.reverse_route(*bal.route(*xs))
+    for a, b in zip(back, xs):
+        assert a.dtype == b.dtype and torch.equal(a, b), "reverse_route(route(x)) != x"
+    # -- attention
+    q = torch.randn(total, heads, D, generator=g, dtype=torch.float64)
+    k = torch.randn(total, kv_heads, D, generator=g, dtype=torch.float64)
+    v = torch.randn(total, kv_heads, D + 2, generator=g, dtype=torch.float64)
+    for causal in (False, True):
+        ref = reference_attention(q, k, v, lens, causal=causal)[mine]
+        out = bal.reverse_route(bal.attention(*bal.route(q[mine], k[mine], v[mine]), causal=causal))
+        _close(out, ref, f"step {step} attention causal={causal}", 1e-10)
+    # -- the custom-kernel path: pre_attn -> one varlen call -> post_attn
+    from knapformer.attention import varlen_attention
+
+    q2, k2, v2, cu, mx = bal.pre_attn(*bal.route(q[mine], k[mine], v[mine]))
+    out = bal.reverse_route(bal.post_attn(varlen_attention(q2, k2, v2, cu, mx)))
+    _close(out, reference_attention(q, k, v, lens)[mine], f"step {step} pre_attn/post_attn", 1e-10)
+    # -- gradients through qkv projection, attention, output projection
+    F = 6
+    x = torch.randn(total, F, generator=g, dtype=torch.float64)
+    wq = torch.randn(F, heads * D, generator=g, dtype=torch.float64)
+    wk = torch.randn(F, kv_heads * D, generator=g, dtype=torch.float64)
+    wv = torch.randn(F, kv_heads * (D + 2), generator=g, dtype=torch.float64)
+    wo = torch.randn(heads * (D + 2), F, generator=g, dtype=torch.float64)
+    target = torch.randn(total, F, generator=g, dtype=torch.float64)
+
+    def layer(xs, ws, attend):
+        n = xs.shape[0]
+        qq = (xs @ ws[0]).view(n, heads, D)
+        kk = (xs @ ws[1]).view(n, kv_heads, D)
+        vv = (xs @ ws[2]).view(n, kv_heads, D + 2)
+        return attend(qq, kk, vv).reshape(n, heads * (D + 2)) @ ws[3]
+
+    ref_x = x.clone().requires_grad_()
+    ref_w = [w.clone().requires_grad_() for w in (wq, wk, wv, wo)]
+    out_r = layer(ref_x, ref_w, lambda a, b, c, lens=lens: reference_attention(a, b, c, lens, causal=True))
+    (out_r * target).sum().backward()
+    bx = x[mine].clone().requires_grad_()
+    bw = [w.clone().requires_grad_() for w in (wq, wk, wv, wo)]
+    out_b = bal.reverse_route(layer(bal.route(bx), bw, lambda a, b, c: bal.attention(a, b, c, causal=True)))
+    _close(out_b, out_r.detach()[mine], f"step {step} layer forward", 1e-10)
+    (out_b * target[mine]).sum().backward()
+    _close(bx.grad, ref_x.grad[mine], f"step {step} grad x", 1e-10)
+    for name, w, r in zip(("wq", "wk", "wv", "wo"), bw, ref_w):
+        grad = w.grad.clone()
+        torch.distributed.all_reduce(grad, group=bal.group)
+        _close(grad, r.grad, f"step {step} grad {name}", 1e-10)
+    spec = bal.spec
+    degrees = {e.degree for e in spec.entries}
+    seen["mixed_rank"] |= 1 in degrees and len(degrees) >= 2
+    seen["idle_rank"] |= spec.num_routed == 0
 
 
 def check_bad_group_plans(rank: int, world: int) -> list[str]:

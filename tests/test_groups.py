@@ -28,3 +28,11 @@ def test_overlapping_groups_equal_one_process(world, heads, kv_heads, sizes):
 def test_bad_group_plans_raise_on_every_rank(world):
     msgs = run_distributed(W.check_bad_group_plans, world, timeout=120)
     assert all(len(m) == len(msgs[0]) >= 3 for m in msgs)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_auto_layout_plans_and_runs_exactly(world):
+    """SequenceBalancer("auto", ...) plans per-sequence groups each step; every step's attention
+    and gradients equal one process, and some steps mix degrees on one rank."""
+    seen = run_distributed(W.check_auto_balancer, world, 8, 4, 7, timeout=300)
+    assert all(s["partition"] == seen[0]["partition"] for s in seen)  # the same plans on every rank

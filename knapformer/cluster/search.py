@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from knapformer.cluster.hardware import Hardware
 from knapformer.cluster.model import ModelShape, predict_step, predict_unbalanced
 from knapformer.config import BalancerConfig
-from knapformer.layout import BagLayout, parse_layout
+from knapformer.layout import AutoLayout, BagLayout, parse_layout
 from knapformer.plan import plan_sequences
 from knapformer.workload import WorkloadModel
 
@@ -95,11 +95,11 @@ def evaluate(
     if isinstance(balancer, str) and balancer != "none":
         balancer = default_config(shape, balancer, profile)
     if isinstance(balancer, BalancerConfig):
-        bad = [k for k, _ in balancer.layout.terms if shape.heads % k]
+        bad = [k for k, _ in getattr(balancer.layout, "terms", ()) if shape.heads % k]
         if bad:
             raise ValueError(f"bag size {bad[0]} does not divide the model's {shape.heads} heads")
         rank_speed, attn_backend = balancer.rank_speed, balancer.attn_backend
-        name = balancer.layout.spec()
+        name = "auto" if isinstance(balancer.layout, AutoLayout) else balancer.layout.spec()
     elif balancer == "none":
         name = "none"
     else:
@@ -123,6 +123,7 @@ def evaluate(
             max_tokens_per_rank=balancer.max_tokens_per_rank,
             rank_speed=balancer.rank_speed,
             options=balancer.solver_options,
+            link=balancer.link,
         )
         plan_ms.append(1e3 * (time.perf_counter() - t))
         preds.append(

@@ -41,7 +41,7 @@ from knapformer.distributed import ops, ulysses
 from knapformer.distributed.agree import agree, digest62, group_device
 from knapformer.distributed.errors import BalancerConfigError, BalancerInputError, PlanMismatchError
 from knapformer.distributed.spec import RouteSpec, build_route_spec
-from knapformer.layout import BagLayout
+from knapformer.layout import AutoLayout, BagLayout
 from knapformer.plan import Plan, PlanProblem, get_solver, validate_seq_lens
 from knapformer.workload import WorkloadModel
 
@@ -89,6 +89,10 @@ class SequenceBalancer:
         agree_group = dist.group.WORLD if group is None else group
         self._agree_config(agree_group, config, local_error)
         assert config is not None
+        # layout "auto" without a size spans the given group, or the whole world
+        config = config.resolved(dist.get_world_size(agree_group))
+        if config.rank_speed is not None and len(config.rank_speed) != config.layout.group_size:
+            raise ValueError(f"rank_speed has {len(config.rank_speed)} entries for {config.layout.group_size} ranks")
         self.config = config
         S = config.layout.group_size
         if group is None:
@@ -150,7 +154,7 @@ class SequenceBalancer:
             )
 
     @property
-    def layout(self) -> BagLayout:
+    def layout(self) -> BagLayout | AutoLayout:
         return self.config.layout  # type: ignore[return-value]
 
     @property
@@ -202,6 +206,7 @@ class SequenceBalancer:
             max_tokens_per_rank=cfg.max_tokens_per_rank,
             rank_speed=cfg.rank_speed,
             options=cfg.solver_options,
+            link=cfg.link,
         )
         try:
             plan = get_solver(cfg.solver)(problem)

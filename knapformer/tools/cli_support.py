@@ -160,7 +160,8 @@ def add_balancer_args(
     ``execution=False`` leaves out the settings only a running balancer reads."""
     g = p.add_argument_group("balancer")
     g.add_argument("--bags", default=bags_default, required=bags_required, help=bags_help)
-    g.add_argument("--solver", default=DEFAULT_SOLVER, choices=sorted(SOLVERS), help="planner")
+    g.add_argument("--solver", default=None, choices=sorted(SOLVERS),
+                   help=f"planner (default: {DEFAULT_SOLVER} for bag layouts, moldable for --bags auto)")
     g.add_argument("--max-tokens", type=positive_int, default=None, help="memory cap: routed tokens per rank")
     g.add_argument(
         "--rank-speed",

@@ -1,8 +1,13 @@
 """``knapformer cluster``: predict step time, HFU and speedup of layouts before you have the GPUs.
 
     knapformer cluster --mix paper-joint --gpus 32 --model flux --hardware h100 --bags g8n4
+    knapformer cluster --mix paper-mixres --gpus 256 --model flux --hardware h200 --bags auto
     knapformer cluster --mix paper-mixres --gpus 256 --model flux --hardware h200 --bags search
     knapformer cluster --input lens.json --gpus 8 --model flux --hardware a100 --bags g2n4 --json
+
+``--bags auto`` plans every sampled step with the moldable planner (each sequence's group
+chosen per step, communication priced by this hardware's links); ``--bags search`` plans each
+uniform and mixed bag layout and keeps the best one for all steps (a static choice).
 
 Torch-free: the plan and the comm model are numpy. ``--profile`` is the planner's cost model,
 as in every subcommand; ``--compute-profile`` makes the predicted compute seconds come from a
@@ -13,6 +18,7 @@ calibrated profile instead of FLOPs at an assumed efficiency (and plans with it 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -36,8 +42,8 @@ from knapformer.workload import WorkloadModel
 
 __all__ = ["add_args", "run"]
 
-SEARCH = ("search", "auto")
-"""``--bags`` values that search uniform and mixed layouts (``auto`` kept as the old spelling)."""
+SEARCH = ("search",)
+"""``--bags`` value that searches uniform and mixed layouts for one static choice."""
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -76,7 +82,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_balancer_args(
         p,
         bags_default="search",
-        bags_help="layout, 'search' (try uniform and mixed layouts, keep the best) or 'none' (data parallel)",
+        bags_help="layout, 'auto' (per-step per-sequence groups), 'search' (try uniform and mixed layouts, "
+        "keep the best) or 'none' (data parallel)",
     )
     p.set_defaults(gamma=None)  # None: plan with --compute-profile when given, else γ=1
 
@@ -94,13 +101,17 @@ def _steps(args) -> list:
     ]
 
 
-def _balancer(args, shape: ModelShape, compute_profile: WorkloadModel | None, layout: str) -> BalancerConfig:
+def _balancer(args, shape: ModelShape, hw, compute_profile: WorkloadModel | None, layout: str) -> BalancerConfig:
     if args.profile is None and args.gamma is None and compute_profile is not None:
         cost = compute_profile
     else:
         if args.gamma is None:
             args.gamma = 1.0
-        cost = cost_model_from_args(args, d_model=shape.dim, causal=shape.causal)
+        cost = cost_model_from_args(args, d_model=shape.dim, causal=shape.causal, num_layers=shape.layers)
+    if cost.num_heads is None:  # the degrees auto may choose follow the model's heads
+        cost = dataclasses.replace(cost, num_heads=shape.heads, num_kv_heads=shape.kv_heads)
+    in_seconds = cost.linear is not None  # a calibrated profile (seconds) or the paper's FLOP form
+    link = hw.link(shape, units_per_second=1.0 if in_seconds else hw.flop_units_per_second)
     if args.rank_speed is not None and len(args.rank_speed) != args.gpus:
         raise CliError(f"--rank-speed has {len(args.rank_speed)} entries for --gpus {args.gpus}")
     return BalancerConfig(
@@ -110,6 +121,7 @@ def _balancer(args, shape: ModelShape, compute_profile: WorkloadModel | None, la
         max_tokens_per_rank=args.max_tokens,
         rank_speed=args.rank_speed,
         attn_backend=args.attn_backend,
+        link=link if layout == "auto" else None,
     )
 
 
@@ -134,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     search = args.bags in SEARCH
     # the layout of the config is a placeholder while searching (each candidate replaces it)
     layout = f"g1n{args.gpus}" if search or args.bags == "none" else args.bags
-    cfg = _balancer(args, shape, compute_profile, layout)
+    cfg = _balancer(args, shape, hw, compute_profile, layout)
     kw = {"profile": compute_profile, "fixed_s": args.fixed_s}
     if search:
         best, results, base = search_layouts(steps, shape, hw, cfg, allow_cross_node=args.allow_cross_node, **kw)

@@ -6,9 +6,11 @@ knapformer plan --input lens.json --bags g1n4+g2n2 [--solver lpt] [--output plan
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
+from knapformer.cluster.hardware import hardware
 from knapformer.layout import parse_layout
 from knapformer.plan import Plan, plan_sequences
 from knapformer.tools.cli_support import (
@@ -26,6 +28,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input", required=True, help='JSON file {"seq_lens": [[...rank 0...], ...]}')
     p.add_argument("--d-model", type=positive_int, default=3072, help="model width d (paper cost form)")
     p.add_argument("--causal", action="store_true", help="causal attention (half the quadratic cost)")
+    p.add_argument("--heads", type=positive_int, default=None,
+                   help="attention heads (the degrees --bags auto may choose must divide them)")
+    p.add_argument("--kv-heads", type=positive_int, default=None, help="key/value heads (GQA/MQA)")
+    p.add_argument("--hardware", default=None,
+                   help="hardware preset (h100, h200, a100, cpu-gloo) whose links price the exchanges")
     p.add_argument("--output", help="write the plan as JSON here instead of printing a summary")
     add_balancer_args(p, bags_default=None, bags_help="bag layout, e.g. g1n4+g2n2", bags_required=True, execution=False)
 
@@ -52,8 +59,20 @@ def run(args: argparse.Namespace) -> int:
     seq_lens = load_seq_lens(args.input)
     layout = parse_layout(args.bags)
     model = cost_model_from_args(args, d_model=args.d_model, causal=args.causal, check_dim=False)
+    if args.heads is not None or args.kv_heads is not None:
+        model = dataclasses.replace(model, num_heads=args.heads, num_kv_heads=args.kv_heads)
+    link = None
+    if args.hardware is not None:
+        hw = hardware(args.hardware)
+        link = hw.link(units_per_second=1.0 if model.linear is not None else hw.flop_units_per_second)
     plan = plan_sequences(
-        seq_lens, layout, model, solver=args.solver, max_tokens_per_rank=args.max_tokens, rank_speed=args.rank_speed
+        seq_lens,
+        layout,
+        model,
+        solver=args.solver,
+        max_tokens_per_rank=args.max_tokens,
+        rank_speed=args.rank_speed,
+        link=link,
     )
     if args.output:
         Path(args.output).write_text(plan.to_json() + "\n")

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass
 
+from knapformer.cluster.hardware import hardware
 from knapformer.config import BalancerConfig
 from knapformer.data.codes import mix_num_ranks, resolve_mix
-from knapformer.layout import parse_layout
-from knapformer.plan import DEFAULT_SOLVER
+from knapformer.layout import AutoLayout, parse_layout
 from knapformer.tools.cli_support import add_balancer_args, positive_float, positive_int
 from knapformer.tools.presets import preset
 from knapformer.workload import WorkloadModel
@@ -43,8 +44,8 @@ class SimConfig:
     profiles of the tiny presets measure γ ≈ 0.5–0.8)."""
     profile: str | None = None
     """Workload profile JSON (from the calibrator) the planner uses instead of γ."""
-    solver: str = DEFAULT_SOLVER
-    """Planner of the balanced run."""
+    solver: str | None = None
+    """Planner of the balanced run (None: ``lpt`` for bag layouts, ``moldable`` for ``auto``)."""
     max_tokens_per_rank: int | None = None
     """Memory cap of the balanced run (routed tokens per rank)."""
     rank_speed: tuple[float, ...] | None = None
@@ -53,6 +54,10 @@ class SimConfig:
     """Varlen attention kernel of both runs."""
     debug: bool = False
     """Per-layer cross-rank checks in the balanced run."""
+    hardware: str | None = None
+    """Hardware preset (``knapformer.cluster.HARDWARE``) whose links price the exchanges for
+    the planner; None = ``cpu-gloo`` on CPU and ``h100`` on CUDA for layout ``auto``, and no
+    pricing for bag layouts (their plans do not depend on it)."""
     device: str = "cpu"
     """cpu (gloo) or cuda (NCCL)."""
     checkpointing: bool = False
@@ -93,15 +98,28 @@ class SimConfig:
         mcfg = preset(self.model)
         layout = parse_layout(self.layout(world))
         layout.num_replicas(world)  # raises if the layout's group does not tile the world
+        heads = {"num_heads": mcfg.num_heads, "num_kv_heads": getattr(mcfg, "num_kv_heads", None)}
         if self.profile:
             cost = WorkloadModel.from_profile(self.profile)
             if cost.d_model != mcfg.dim:
                 raise ValueError(f"profile d_model {cost.d_model} does not match model {self.model!r} (dim {mcfg.dim})")
+            if cost.num_heads is None:
+                cost = dataclasses.replace(cost, **heads)
         else:
-            cost = WorkloadModel(d_model=mcfg.dim, gamma=self.gamma, num_layers=mcfg.num_layers)
+            cost = WorkloadModel(d_model=mcfg.dim, gamma=self.gamma, num_layers=mcfg.num_layers, **heads)
+        link = None
+        default = ("cpu-gloo" if self.device == "cpu" else "h100") if isinstance(layout, AutoLayout) else None
+        name = self.hardware or default
+        if name is not None:
+            hw = hardware(name)
+            units = 1.0 if self.profile else hw.flop_units_per_second  # profile: seconds; paper form: FLOPs
+            link = hw.link(units_per_second=units)
+            if self.dtype == "float32":
+                link = dataclasses.replace(link, bytes_per_value=4)
         return BalancerConfig(
             layout=layout,
             cost=cost,
+            link=link,
             solver=self.solver,
             max_tokens_per_rank=self.max_tokens_per_rank,
             rank_speed=self.rank_speed,
@@ -134,6 +152,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-keep-memory", action="store_true", help="let glibc return freed buffers to the OS (page faults each step)"
     )
+    p.add_argument("--hardware", default=None,
+                   help="hardware preset pricing the exchanges for the planner (default for --bags auto: "
+                   "cpu-gloo on CPU, h100 on CUDA)")
     p.add_argument("--report", default=None, help="write the JSON report here")
     p.add_argument("--plot-dir", default=None, help="write PNG charts here")
     add_balancer_args(
@@ -158,6 +179,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         rank_speed=args.rank_speed,
         attn_backend=args.attn_backend,
         debug=args.debug,
+        hardware=args.hardware,
         device=args.device,
         checkpointing=args.checkpointing,
         peak_tflops=args.peak_tflops,
