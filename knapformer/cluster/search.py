@@ -9,7 +9,6 @@ is the baseline every speedup is measured against.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import statistics
 import time
 from collections.abc import Sequence
@@ -20,6 +19,7 @@ from knapformer.cluster.model import ModelShape, predict_step, predict_unbalance
 from knapformer.config import BalancerConfig
 from knapformer.layout import AutoLayout, BagLayout, parse_layout
 from knapformer.plan import plan_sequences
+from knapformer.plan.solvers.moldable import layout_menu
 from knapformer.workload import WorkloadModel
 
 __all__ = ["LayoutResult", "bag_sizes_for", "candidate_layouts", "default_config", "evaluate", "search_layouts"]
@@ -55,21 +55,8 @@ def candidate_layouts(num_gpus: int, heads: int, gpus_per_node: int, *, allow_cr
     sizes = bag_sizes_for(heads, gpus_per_node, num_gpus, allow_cross_node)
     if not sizes:
         raise ValueError(f"no bag size divides both {heads} heads and {num_gpus} GPUs")
-    specs = [f"g{k}n{num_gpus // k}" for k in sizes]
-    shares = {2: [(1, 1), (3, 1), (1, 3)], 3: [(1, 1, 1), (2, 1, 1), (1, 1, 2)]}
-    for m in (2, 3):
-        for combo in itertools.combinations(sizes, m):
-            for share in shares[m]:
-                total = sum(share)
-                if num_gpus % total:
-                    continue
-                unit = num_gpus // total
-                ranks = [unit * s for s in share]
-                if any(r % k for r, k in zip(ranks, combo)):
-                    continue
-                specs.append("+".join(f"g{k}n{r // k}" for k, r in zip(combo, ranks)))
     out = []
-    for spec in dict.fromkeys(specs):
+    for spec in layout_menu(num_gpus, sizes):
         lay = parse_layout(spec)
         if lay.group_size == num_gpus and (allow_cross_node or _fits_nodes(lay, gpus_per_node)):
             out.append(spec)

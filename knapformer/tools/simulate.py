@@ -227,6 +227,8 @@ def summarize(cfg: SimConfig, per_rank: list[dict]) -> dict:
             "hfu": sum(flops) / (sum(wall) * peak),
             "busy_per_rank": [statistics.mean(b[k] for b in busy) for k in range(world)],
             "busy_max_over_mean": sum(max(b) for b in busy) / sum(statistics.mean(b) for b in busy),
+            # the busiest rank's compute per step: what the step takes when ranks have dedicated cores
+            "critical_path_s": statistics.mean(max(b) for b in busy),
             "loss": [rows[(0, s)]["loss"] for s in steps],
             "plan_ms": 1e3 * statistics.mean(rows[(0, s)]["plan_s"] for s in steps),
             "fwd_bwd_wall_per_rank": [

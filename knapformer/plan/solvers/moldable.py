@@ -42,7 +42,7 @@ from knapformer.plan.solvers.common import stamp
 from knapformer.plan.solvers.lpt import lpt_fill, solve_lpt
 from knapformer.plan.solvers.refine import local_search
 
-__all__ = ["CANDIDATES_PER_SECOND", "fixed_layouts", "solve_moldable"]
+__all__ = ["CANDIDATES_PER_SECOND", "fixed_layouts", "layout_menu", "solve_moldable"]
 
 ALPHAS = (1.0, 0.125, 0.5, 0.7, 0.25, 1.4, 2.0, 1e-9)
 """Targets tried, as multiples of the lower bound, in this order (1e-9: split as far as the
@@ -81,6 +81,8 @@ def _candidate(problem: PlanProblem, D, cost: np.ndarray, target: float) -> Plan
     fits = cost <= target
     pick = np.where(fits.any(axis=0), fits.argmax(axis=0), cost.argmin(axis=0))
     degree = np.asarray(D, dtype=np.int64)[pick]
+    if not (degree > 1).any():  # every sequence whole: exactly the one-rank-bags problem
+        return _solve_bags(problem, f"g1n{S}")
     c = cost[pick, np.arange(n)]
     load = np.zeros(S)  # work units per rank (time = load / speed)
     tok = np.zeros(S, dtype=np.int64)
@@ -137,6 +139,24 @@ def _candidate(problem: PlanProblem, D, cost: np.ndarray, target: float) -> Plan
         return None
 
 
+def layout_menu(S: int, sizes) -> list[str]:
+    """Uniform layouts, then mixed ones of two or three sizes sharing the ranks in equal shares
+    and 3:1 / 1:3 (2:1:1 / 1:1:2): the menu a user picks from (the cluster search uses it too)."""
+    specs = [f"g{k}n{S // k}" for k in sizes if S % k == 0]
+    shares = {2: [(1, 1), (3, 1), (1, 3)], 3: [(1, 1, 1), (2, 1, 1), (1, 1, 2)]}
+    for m in (2, 3):
+        for combo in itertools.combinations(sizes, m):
+            for share in shares[m]:
+                total = sum(share)
+                if S % total:
+                    continue
+                ranks = [S // total * s for s in share]
+                if any(r % k for r, k in zip(ranks, combo)):
+                    continue
+                specs.append("+".join(f"g{k}n{r // k}" for k, r in zip(combo, ranks)))
+    return list(dict.fromkeys(specs))
+
+
 def fixed_layouts(problem: PlanProblem) -> list[str]:
     """Bag layouts of the allowed sizes the user could have chosen: all of them (uniform and
     mixed, sizes ascending over contiguous ranks) up to ``_FIXED_ALL_UP_TO`` ranks, else the
@@ -152,23 +172,42 @@ def fixed_layouts(problem: PlanProblem) -> list[str]:
     return out
 
 
+def _solve_bags(problem: PlanProblem, spec: str) -> Plan | None:
+    """The default solver's plan of ``problem`` under the bag layout ``spec`` (None if the cap
+    cannot be met), with the moldable problem's bound and name."""
+    sub = PlanProblem(
+        seq_lens=problem.seq_lens,
+        layout=BagLayout(tuple((k, n) for k, n in _terms(spec))),
+        model=problem.model,
+        max_tokens_per_rank=problem.max_tokens_per_rank,
+        rank_speed=problem.rank_speed,
+        options=problem.options,
+        link=problem.link,
+    )
+    try:
+        plan = solve_lpt(sub)
+    except ValueError:  # the cap cannot be met under this layout
+        return None
+    object.__setattr__(plan, "lower_bound", problem.lower_bound)
+    object.__setattr__(plan, "solver", "moldable")
+    return plan
+
+
 def _fixed_candidates(problem: PlanProblem, specs: list[str]) -> list[Plan]:
-    out = []
-    for spec in specs:
-        sub = PlanProblem(
-            seq_lens=problem.seq_lens,
-            layout=BagLayout(tuple((k, n) for k, n in _terms(spec))),
-            model=problem.model,
-            max_tokens_per_rank=problem.max_tokens_per_rank,
-            rank_speed=problem.rank_speed,
-            options=problem.options,
-            link=problem.link,
-        )
-        try:
-            out.append(solve_lpt(sub))
-        except ValueError:  # the cap cannot be met under this layout
-            continue
-    return out
+    return [p for spec in specs if (p := _solve_bags(problem, spec)) is not None]
+
+
+def _fits(problem: PlanProblem, spec: str) -> bool:
+    """No bag of ``spec`` straddles a node (with a link model; bags are contiguous)."""
+    if problem.link is None:
+        return True
+    gpn, start = problem.link.gpus_per_node, 0
+    for k, n in _terms(spec):
+        for _ in range(n):
+            if start // gpn != (start + k - 1) // gpn:
+                return False
+            start += k
+    return True
 
 
 def _terms(spec: str):
@@ -192,14 +231,11 @@ def solve_moldable(problem: PlanProblem, *, time_budget_s: float | None = None) 
     extra = 0 if time_budget_s is None else int(time_budget_s * CANDIDATES_PER_SECOND)
     n_alpha = min(len(ALPHAS), (2 if n <= 2048 else 1) + extra)
     fixed = fixed_layouts(problem) if problem.num_ranks <= _FIXED_ALL_UP_TO else []
-    if extra > len(ALPHAS) - n_alpha or (extra and problem.num_ranks > _FIXED_ALL_UP_TO):
-        uniform = [f"g{k}n{problem.num_ranks // k}" for k in D]
-        fixed += [s for s in uniform if s not in fixed][: max(0, extra - (n_alpha - 1))]
+    if extra and problem.num_ranks > _FIXED_ALL_UP_TO:  # budget left after the α: the layout menu
+        menu = [s for s in layout_menu(problem.num_ranks, [k for k in D]) if _fits(problem, s)]
+        fixed += menu[: max(0, extra - (n_alpha - 1))]
     candidates = [p for a in ALPHAS[:n_alpha] if (p := _candidate(problem, D, cost, lb * a)) is not None]
-    for p in _fixed_candidates(problem, fixed):
-        object.__setattr__(p, "lower_bound", problem.lower_bound)  # the moldable bound, for every candidate
-        object.__setattr__(p, "solver", "moldable")
-        candidates.append(p)
+    candidates += _fixed_candidates(problem, fixed)
     if not candidates:
         raise ValueError(
             f"no plan found under max_tokens_per_rank={problem.max_tokens_per_rank} with groups of sizes {list(D)}"
