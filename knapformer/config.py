@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass, field, fields
 
@@ -61,6 +62,9 @@ class BalancerConfig:
     per layer). Off, errors are still raised on every rank at the per-step agreement points."""
     solver_options: SolverOptions = field(default_factory=SolverOptions)
     """Iteration counts and tie-breaking of the solvers."""
+    time_budget_s: float | None = None
+    """Planning budget per step for solvers that take one (``moldable``: more candidate plans,
+    counted at a fixed rate so every rank plans the same ones). None = the solver's default."""
 
     def __post_init__(self) -> None:
         layout = parse_layout(self.layout)
@@ -90,6 +94,17 @@ class BalancerConfig:
             raise TypeError(f"BalancerConfig.debug must be a bool, got {self.debug!r}")
         if not isinstance(self.solver_options, SolverOptions):
             raise TypeError("BalancerConfig.solver_options must be a SolverOptions")
+        if self.time_budget_s is not None:
+            if not info.takes_time_budget:
+                raise ValueError(f"solver {self.solver!r} takes no time budget; drop time_budget_s")
+            if isinstance(self.time_budget_s, bool) or not (
+                isinstance(self.time_budget_s, (int, float))
+                and math.isfinite(self.time_budget_s)
+                and self.time_budget_s > 0
+            ):
+                raise ValueError(
+                    f"BalancerConfig.time_budget_s must be a finite number > 0, got {self.time_budget_s!r}"
+                )
 
     @property
     def group_size(self) -> int:

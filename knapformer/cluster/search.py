@@ -111,6 +111,7 @@ def evaluate(
             rank_speed=balancer.rank_speed,
             options=balancer.solver_options,
             link=balancer.link,
+            time_budget_s=balancer.time_budget_s,
         )
         plan_ms.append(1e3 * (time.perf_counter() - t))
         preds.append(

@@ -209,7 +209,7 @@ class SequenceBalancer:
             link=cfg.link,
         )
         try:
-            plan = get_solver(cfg.solver)(problem)
+            plan = get_solver(cfg.solver)(problem, time_budget_s=cfg.time_budget_s)
         except ValueError as exc:  # e.g. an infeasible memory cap: the same on every rank
             self._drop_plan()
             raise BalancerInputError(f"SequenceBalancer.plan: {exc}") from exc

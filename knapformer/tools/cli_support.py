@@ -160,9 +160,19 @@ def add_balancer_args(
     ``execution=False`` leaves out the settings only a running balancer reads."""
     g = p.add_argument_group("balancer")
     g.add_argument("--bags", default=bags_default, required=bags_required, help=bags_help)
-    g.add_argument("--solver", default=None, choices=sorted(SOLVERS),
-                   help=f"planner (default: {DEFAULT_SOLVER} for bag layouts, moldable for --bags auto)")
+    g.add_argument(
+        "--solver",
+        default=None,
+        choices=sorted(SOLVERS),
+        help=f"planner (default: {DEFAULT_SOLVER} for bag layouts, moldable for --bags auto)",
+    )
     g.add_argument("--max-tokens", type=positive_int, default=None, help="memory cap: routed tokens per rank")
+    g.add_argument(
+        "--time-budget",
+        type=positive_float,
+        default=None,
+        help="planning seconds per step for solvers that take a budget (auto: more candidates)",
+    )
     g.add_argument(
         "--rank-speed",
         type=rank_speed_list,
@@ -204,4 +214,5 @@ def balancer_config_from_args(args: argparse.Namespace, *, cost: WorkloadModel, 
         rank_speed=args.rank_speed,
         attn_backend=args.attn_backend,
         debug=args.debug,
+        time_budget_s=args.time_budget,
     )

@@ -122,6 +122,7 @@ def _balancer(args, shape: ModelShape, hw, compute_profile: WorkloadModel | None
         rank_speed=args.rank_speed,
         attn_backend=args.attn_backend,
         link=link if layout == "auto" else None,
+        time_budget_s=args.time_budget,
     )
 
 

@@ -28,11 +28,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input", required=True, help='JSON file {"seq_lens": [[...rank 0...], ...]}')
     p.add_argument("--d-model", type=positive_int, default=3072, help="model width d (paper cost form)")
     p.add_argument("--causal", action="store_true", help="causal attention (half the quadratic cost)")
-    p.add_argument("--heads", type=positive_int, default=None,
-                   help="attention heads (the degrees --bags auto may choose must divide them)")
+    p.add_argument(
+        "--heads",
+        type=positive_int,
+        default=None,
+        help="attention heads (the degrees --bags auto may choose must divide them)",
+    )
     p.add_argument("--kv-heads", type=positive_int, default=None, help="key/value heads (GQA/MQA)")
-    p.add_argument("--hardware", default=None,
-                   help="hardware preset (h100, h200, a100, cpu-gloo) whose links price the exchanges")
+    p.add_argument(
+        "--hardware", default=None, help="hardware preset (h100, h200, a100, cpu-gloo) whose links price the exchanges"
+    )
     p.add_argument("--output", help="write the plan as JSON here instead of printing a summary")
     add_balancer_args(p, bags_default=None, bags_help="bag layout, e.g. g1n4+g2n2", bags_required=True, execution=False)
 
@@ -73,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
         max_tokens_per_rank=args.max_tokens,
         rank_speed=args.rank_speed,
         link=link,
+        time_budget_s=args.time_budget,
     )
     if args.output:
         Path(args.output).write_text(plan.to_json() + "\n")

@@ -54,6 +54,8 @@ class SimConfig:
     """Varlen attention kernel of both runs."""
     debug: bool = False
     """Per-layer cross-rank checks in the balanced run."""
+    time_budget_s: float | None = None
+    """Planning budget per step (layout ``auto``: more candidate plans)."""
     hardware: str | None = None
     """Hardware preset (``knapformer.cluster.HARDWARE``) whose links price the exchanges for
     the planner; None = ``cpu-gloo`` on CPU and ``h100`` on CUDA for layout ``auto``, and no
@@ -125,6 +127,7 @@ class SimConfig:
             rank_speed=self.rank_speed,
             attn_backend=self.attn_backend,
             debug=self.debug,
+            time_budget_s=self.time_budget_s,
         )
 
 
@@ -152,9 +155,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-keep-memory", action="store_true", help="let glibc return freed buffers to the OS (page faults each step)"
     )
-    p.add_argument("--hardware", default=None,
-                   help="hardware preset pricing the exchanges for the planner (default for --bags auto: "
-                   "cpu-gloo on CPU, h100 on CUDA)")
+    p.add_argument(
+        "--hardware",
+        default=None,
+        help="hardware preset pricing the exchanges for the planner (default for --bags auto: "
+        "cpu-gloo on CPU, h100 on CUDA)",
+    )
     p.add_argument("--report", default=None, help="write the JSON report here")
     p.add_argument("--plot-dir", default=None, help="write PNG charts here")
     add_balancer_args(
@@ -180,6 +186,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         attn_backend=args.attn_backend,
         debug=args.debug,
         hardware=args.hardware,
+        time_budget_s=args.time_budget,
         device=args.device,
         checkpointing=args.checkpointing,
         peak_tflops=args.peak_tflops,
