@@ -8,7 +8,8 @@ node, NVLink inside, InfiniBand across; 50% of peak assumed, nothing outside the
 paper's ``paper-mixres`` and ``paper-joint`` mixes tiled to the cluster, ``--steps`` sampled
 steps each. ``search`` evaluates every uniform and mixed layout of bag sizes dividing the
 heads inside a node and keeps the one with the best mean step time; ``auto`` plans every step
-with the moldable planner. Both are predicted by the same cost function.
+with the moldable planner (without a budget, and with ``--time-budget`` seconds, which adds the
+layout menu as candidates). All are predicted by the same cost function.
 """
 
 from __future__ import annotations
@@ -30,24 +31,8 @@ def run(mix: str, gpus: int, steps: int, bags: str, *extra: str) -> dict:
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        code = cli(
-            [
-                "cluster",
-                "--mix",
-                mix,
-                "--gpus",
-                str(gpus),
-                "--model",
-                "flux",
-                "--hardware",
-                "h100",
-                "--bags",
-                bags,
-                "--steps",
-                str(steps),
-                "--json",
-            ]
-        )
+        args = ["cluster", "--mix", mix, "--gpus", str(gpus), "--model", "flux", "--hardware", "h100"]
+        code = cli([*args, "--bags", bags, "--steps", str(steps), "--json", *extra])
     assert code == 0
     return json.loads(buf.getvalue())
 
@@ -56,6 +41,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpus", type=int, nargs="+", default=[32, 256, 1024])
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--budget", type=float, default=1.0, help="time budget of the second auto row (s)")
     ap.add_argument("--out", default="runs/bench/cluster_auto.json")
     args = ap.parse_args()
     rows = []
@@ -63,8 +49,9 @@ def main() -> None:
         for gpus in args.gpus:
             search = run(mix, gpus, args.steps, "search")
             auto = run(mix, gpus, args.steps, "auto")
+            budget = run(mix, gpus, args.steps, "auto", "--time-budget", str(args.budget))
             none = search["rows"][0]
-            best, a = search["best"], auto["rows"][1]
+            best, a, ab = search["best"], auto["rows"][1], budget["rows"][1]
             rows.append(
                 {
                     "mix": mix,
@@ -77,6 +64,8 @@ def main() -> None:
                     "speedup_auto": none["step_s"] / a["step_s"],
                     "auto/best": a["step_s"] / best["step_s"],
                     "auto_plan_ms": a["plan_ms"],
+                    "budget/best": ab["step_s"] / best["step_s"],
+                    "budget_plan_ms": ab["plan_ms"],
                 }
             )
             print(".", end="", flush=True)
@@ -94,6 +83,8 @@ def main() -> None:
             ("speedup_auto", ".3f"),
             ("auto/best", ".4f"),
             ("auto_plan_ms", ".1f"),
+            ("budget/best", ".4f"),
+            ("budget_plan_ms", ".0f"),
         ],
     )
     write_json(args.out, rows)

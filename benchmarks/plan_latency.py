@@ -70,9 +70,9 @@ def main() -> None:
         lens = lognormal_lens(ranks, total)
         layout = layout_for(ranks)
         reps = args.repeats if ranks < 4096 else max(3, args.repeats // 2)
-        ms_paper, p = timed(lambda: plan_sequences(lens, layout, model, solver="paper"), reps)
-        ms_lpt, o = timed(lambda: plan_sequences(lens, layout, model), reps)
-        ms_auto, a = timed(lambda: plan_sequences(lens, "auto", model, link=link), reps)
+        ms_paper, p = timed(lambda lens=lens, layout=layout: plan_sequences(lens, layout, model, solver="paper"), reps)
+        ms_lpt, o = timed(lambda lens=lens, layout=layout: plan_sequences(lens, layout, model), reps)
+        ms_auto, a = timed(lambda lens=lens: plan_sequences(lens, "auto", model, link=link), reps)
         target = TARGET_MS.get((ranks, total))
         rows.append(
             {
