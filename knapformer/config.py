@@ -65,6 +65,16 @@ class BalancerConfig:
     time_budget_s: float | None = None
     """Planning budget per step for solvers that take one (``moldable``: more candidate plans,
     counted at a fixed rate so every rank plans the same ones). None = the solver's default."""
+    measure: bool = False
+    """Time each rank's balanced region of every step (route to the end of its backward: thread
+    CPU time on CPU, CUDA events read a step later on GPU); the seconds ride on the gather the
+    next ``plan`` does anyway and appear in the telemetry."""
+    recalibrate: bool = False
+    """Refit the cost model from the measured steps and plan with it (implies ``measure``)."""
+    estimate_speed: bool = False
+    """With ``recalibrate``: also estimate each rank's speed (a slow rank gets less work)."""
+    recalibrate_window: int = 16
+    """Timed steps the online fit keeps (older ones are forgotten)."""
 
     def __post_init__(self) -> None:
         layout = parse_layout(self.layout)
@@ -94,6 +104,19 @@ class BalancerConfig:
             raise TypeError(f"BalancerConfig.debug must be a bool, got {self.debug!r}")
         if not isinstance(self.solver_options, SolverOptions):
             raise TypeError("BalancerConfig.solver_options must be a SolverOptions")
+        for name in ("measure", "recalibrate", "estimate_speed"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"BalancerConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.estimate_speed and not self.recalibrate:
+            raise ValueError("BalancerConfig.estimate_speed needs recalibrate=True")
+        if self.recalibrate and not self.measure:
+            object.__setattr__(self, "measure", True)
+        if (
+            isinstance(self.recalibrate_window, bool)
+            or not isinstance(self.recalibrate_window, int)
+            or (self.recalibrate_window < 1)
+        ):
+            raise ValueError(f"BalancerConfig.recalibrate_window must be an int >= 1, got {self.recalibrate_window!r}")
         if self.time_budget_s is not None:
             if not info.takes_time_budget:
                 raise ValueError(f"solver {self.solver!r} takes no time budget; drop time_budget_s")

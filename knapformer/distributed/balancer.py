@@ -29,9 +29,11 @@ collectives use the group's backend: gloo for CPU tensors, NCCL for CUDA tensors
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -41,8 +43,12 @@ from knapformer.distributed import ops, ulysses
 from knapformer.distributed.agree import agree, digest62, group_device
 from knapformer.distributed.errors import BalancerConfigError, BalancerInputError, PlanMismatchError
 from knapformer.distributed.spec import RouteSpec, build_route_spec
+from knapformer.distributed.timing import StepTimer
 from knapformer.layout import AutoLayout, BagLayout
-from knapformer.plan import Plan, PlanProblem, get_solver, validate_seq_lens
+from knapformer.plan import Plan, PlanProblem, get_solver
+from knapformer.plan.online import Observation, OnlineFit
+from knapformer.plan.problem import ValidLens, validate_lengths
+from knapformer.telemetry import StepTelemetry, imbalance
 from knapformer.workload import WorkloadModel
 
 __all__ = ["BalancerConfigError", "BalancerInputError", "PlanMismatchError", "SequenceBalancer"]
@@ -123,6 +129,18 @@ class SequenceBalancer:
         self._attn_sig: tuple | None = None  # agreed (heads, kv heads, head dim, dtype) of this plan
         self._pending = ""  # a local problem found where no agreement was possible; raised at the next one
         self._call: ulysses.UlyssesCall | None = None  # the last pre_attn, for post_attn
+        # -- closed loop: timing, online fit, telemetry
+        self._timer = StepTimer() if config.measure else None
+        self._fit = (
+            OnlineFit(prior=config.cost, window=config.recalibrate_window, estimate_speed=config.estimate_speed)
+            if config.recalibrate
+            else None
+        )
+        self._callbacks: list = []
+        self._record: StepTelemetry | None = None  # this step's record, waiting for its measurement
+        self._bytes_per_token = 0
+        self.last_step: StepTelemetry | None = None
+        """The last completed step's telemetry (measured when ``measure`` is on)."""
 
     # -- settings --------------------------------------------------------------------------------
     @staticmethod
@@ -175,13 +193,19 @@ class SequenceBalancer:
         error, lens = self._pending, []
         if not error:
             try:
-                lens = list(validate_seq_lens([local_seq_lens], name="local_seq_lens")[0])
+                lens = list(validate_lengths(local_seq_lens, "local_seq_lens"))
             except ValueError as exc:
-                error = str(exc).replace("local_seq_lens[0]", "local_seq_lens")
-        head = torch.tensor([len(lens), 1 if error else 0], dtype=torch.int64, device=device)
+                error = str(exc)
+        # the previous step's measured seconds ride on the gather of the lengths' counts
+        seconds = self._timer.seconds() if self._timer is not None else float("nan")
+        bits = torch.tensor([seconds], dtype=torch.float64).view(torch.int64).item()
+        head = torch.tensor([len(lens), 1 if error else 0, bits], dtype=torch.int64, device=device)
         heads = [torch.empty_like(head) for _ in range(S)]
         dist.all_gather(heads, head, group=self.group)
         heads_t = torch.stack(heads).cpu()
+        if self._record is not None:  # complete and emit the previous step's telemetry
+            measured = heads_t[:, 2].clone().view(torch.float64).tolist() if self._timer is not None else None
+            self._finish_step(measured)
         bad = heads_t[:, 1].nonzero().flatten().tolist()
         if bad:
             self._pending = ""
@@ -197,7 +221,7 @@ class SequenceBalancer:
             padded[: len(lens)] = torch.tensor(lens, dtype=torch.int64)
         gathered = [torch.empty_like(padded) for _ in range(S)]
         dist.all_gather(gathered, padded, group=self.group)
-        all_lens = tuple(tuple(g[:c].tolist()) for g, c in zip(torch.stack(gathered).cpu(), counts))
+        all_lens = ValidLens(tuple(g[:c].tolist()) for g, c in zip(torch.stack(gathered).cpu(), counts))
         cfg = self.config
         problem = PlanProblem(  # lengths were validated on their own ranks and agreed above
             seq_lens=all_lens,
@@ -216,7 +240,90 @@ class SequenceBalancer:
         self._adopt(plan, build_route_spec(plan, self.group_rank), agreed=False)
         if self.debug:
             self._agree("plan")
+        self._start_step(plan)
         return plan
+
+    # -- closed loop -----------------------------------------------------------------------------
+    def on_step(self, callback) -> None:
+        """Call ``callback(StepTelemetry)`` for every completed step (with ``measure``, a step
+        completes at the next ``plan`` or at :meth:`flush`)."""
+        self._callbacks.append(callback)
+
+    def _start_step(self, plan: Plan) -> None:
+        cfg = self.config
+        model = cfg.cost
+        in_seconds = str(model.meta.get("units", "")).startswith("seconds")
+        self._record = StepTelemetry(
+            step=self.num_plans,
+            layout=cfg.layout.spec(),
+            solver=plan.solver,
+            plan_ms=1e3 * plan.plan_seconds,
+            predicted=plan.time_after.tolist(),
+            predicted_s=(
+                ((plan.time_after + float(model.meta.get("per_call_seconds", 0.0))) * model.num_layers).tolist()
+                if in_seconds
+                else None
+            ),
+            measured_s=None,
+            imbalance_before=plan.imbalance_before,
+            imbalance_after=plan.imbalance_after,
+            measured_imbalance=None,
+            gap_to_bound=plan.gap_to_bound,
+            tokens_moved=plan.tokens_moved,
+            bytes_moved=0,
+            coefficients={
+                "linear": model.linear_coef,
+                "quadratic": model.quad_coef,
+                "per_seq": model.per_seq,
+                "units": model.meta.get("units", "cost units"),
+            },
+            rank_speed=list(cfg.rank_speed) if cfg.rank_speed is not None else None,
+        )
+        if self._timer is None:  # nothing to wait for
+            self._finish_step(None)
+
+    def _finish_step(self, measured: list[float] | None) -> None:
+        record = dataclasses.replace(
+            self._record,
+            measured_s=measured,
+            measured_imbalance=imbalance(measured) if measured is not None else None,
+            bytes_moved=self._record.tokens_moved * self._bytes_per_token,
+        )
+        self._record = None
+        if self._fit is not None and measured is not None and self._plan is not None:
+            self._fit.add(Observation(self._plan.features(), np.asarray(measured, dtype=np.float64)))
+            self._recalibrate()
+        self.last_step = record
+        for cb in self._callbacks:
+            cb(record)
+
+    def _recalibrate(self) -> None:
+        """Plan the next steps with the model (and speeds) fitted to the measured steps."""
+        cfg = self.config
+        model, speeds = self._fit.fit(cfg.rank_speed if cfg.estimate_speed else None)
+        changes = {"cost": model}
+        if speeds is not None:
+            changes["rank_speed"] = tuple(float(s) for s in speeds)
+        if cfg.link is not None and model is not self._fit.prior:
+            changes["link"] = dataclasses.replace(cfg.link, units_per_second=1.0)  # the fit is in seconds
+        self.config = dataclasses.replace(cfg, **changes)
+
+    def flush(self) -> StepTelemetry | None:
+        """Complete the last step's telemetry now (collective: one small all-gather) instead
+        of at the next ``plan``; returns it."""
+        if self._record is None:
+            return self.last_step
+        seconds = self._timer.seconds() if self._timer is not None else float("nan")
+        t = torch.tensor([seconds], dtype=torch.float64, device=group_device(self.group))
+        rows = [torch.empty_like(t) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(rows, t, group=self.group)
+        self._finish_step(torch.cat(rows).cpu().tolist() if self._timer is not None else None)
+        return self.last_step
+
+    def online_model(self) -> WorkloadModel:
+        """The cost model the next plan uses (the online fit's, with ``recalibrate``); save it
+        with ``WorkloadModel.save`` to start another job from it (a profile)."""
+        return self.config.cost  # type: ignore[return-value]
 
     def use_plan(self, plan: Plan) -> Plan:
         """Execute a plan made elsewhere (any groups of ranks: non-contiguous, overlapping,
@@ -309,6 +416,13 @@ class SequenceBalancer:
         _, spec = self._require_spec()
         tensors = (x, *features)
         self._check_rows(tensors, spec.num_local, "route", seq_lens=seq_lens)
+        if self._timer is not None:
+            self._timer.start(x.device)
+            tensors = self._timer.mark(tensors)
+            tensors = tensors if isinstance(tensors, tuple) else (tensors,)
+        self._bytes_per_token = sum(
+            t[0].numel() * t.element_size() if t.dim() > 1 else t.element_size() for t in tensors
+        )
         out = ops.route(tensors, spec, self.group)
         return out[0] if not features else tuple(out)
 
@@ -317,6 +431,8 @@ class SequenceBalancer:
         _, spec = self._require_spec()
         tensors = (y, *features)
         self._check_rows(tensors, spec.num_routed, "reverse_route")
+        if self._timer is not None and not (torch.is_grad_enabled() and y.requires_grad):
+            self._timer.stop()  # no backward to wait for
         out = ops.reverse_route(tensors, spec, self.group)
         return out[0] if not features else tuple(out)
 

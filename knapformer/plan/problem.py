@@ -30,6 +30,7 @@ __all__ = [
     "moldable_lower_bound",
     "spread_over_groups",
     "sum_by",
+    "validate_lengths",
     "validate_seq_lens",
 ]
 
@@ -58,18 +59,7 @@ def validate_seq_lens(
     out = []
     total = 0
     for r, lens in enumerate(seq_lens):
-        if isinstance(lens, np.ndarray):
-            if lens.ndim != 1:
-                raise ValueError(f"{name}[{r}] must be a 1-D list of lengths, got an array of shape {lens.shape}")
-            if lens.dtype.kind not in "iu" and lens.size:
-                raise ValueError(f"{name}[{r}] has dtype {lens.dtype}; lengths must be integers")
-            lens = lens.tolist()
-        if not isinstance(lens, Sequence) or isinstance(lens, (str, bytes)):
-            raise ValueError(f"{name}[{r}] must be a list of lengths, got {type(lens).__name__}")
-        row = tuple(lens)
-        # fast path: clean Python ints (type checks in C via map), range checked once per row
-        if row and not (set(map(type, row)) == {int} and 0 < min(row) and max(row) <= MAX_SEQ_LEN):
-            row = tuple(_checked_length(v, f"{name}[{r}][{i}]") for i, v in enumerate(row))
+        row = validate_lengths(lens, f"{name}[{r}]")
         total += sum(row)
         out.append(row)
     if total > MAX_TOTAL_TOKENS:
@@ -82,6 +72,23 @@ def validate_seq_lens(
 class ValidLens(tuple):
     """Per-rank lengths that :func:`validate_seq_lens` accepted (a tuple of tuples of ints);
     passing one on validates nothing twice."""
+
+
+def validate_lengths(lens: object, name: str = "lengths") -> tuple[int, ...]:
+    """One rank's lengths as a tuple of ints; errors name the entry as ``name[i]``."""
+    if isinstance(lens, np.ndarray):
+        if lens.ndim != 1:
+            raise ValueError(f"{name} must be a 1-D list of lengths, got an array of shape {lens.shape}")
+        if lens.dtype.kind not in "iu" and lens.size:
+            raise ValueError(f"{name} has dtype {lens.dtype}; lengths must be integers")
+        lens = lens.tolist()
+    if not isinstance(lens, Sequence) or isinstance(lens, (str, bytes)):
+        raise ValueError(f"{name} must be a list of lengths, got {type(lens).__name__}")
+    row = tuple(lens)
+    # fast path: clean Python ints (type checks in C via map), range checked once per row
+    if row and not (set(map(type, row)) == {int} and 0 < min(row) and max(row) <= MAX_SEQ_LEN):
+        row = tuple(_checked_length(v, f"{name}[{i}]") for i, v in enumerate(row))
+    return row
 
 
 def _checked_length(v: object, where: str) -> int:

@@ -1,0 +1,168 @@
+"""Online recalibration: refit the cost model (and optionally rank speeds) from measured steps.
+
+Each timed step gives, per rank, the features the plan already knew (tokens held, Σ L²/k of
+its groups' sequences, sequences run: :class:`~knapformer.plan.plan.RankFeatures`) and the
+seconds the rank spent in the balanced region. :class:`OnlineFit` keeps the last ``window``
+steps, weights a step ``forget**age``, and solves non-negative least squares on *relative*
+error (every rank-step counts alike, short or long)::
+
+    seconds ≈ layers · (a·tokens + b·attn + c·seqs) / speed_r + d
+
+(d: what every rank pays per step whatever the plan — kernel launches per block call; it
+does not change a plan, so it is kept in the profile's ``per_call_seconds``) with a light
+ridge pull towards the prior (the configured model, rescaled to seconds by the
+first fit) so that steps whose ranks look alike cannot send a coefficient to nonsense.
+Per-rank speeds (opt-in) are the median ratio of predicted to measured time over the window,
+normalised to a median of 1 and floored, so one noisy step cannot starve a rank.
+
+Every rank feeds the same gathered numbers into the same code, so every rank holds the same
+model; coefficients are rounded to 9 significant digits so that last-bit differences of
+float arithmetic between machines cannot split the ranks' plans (the plan digest check
+would catch it). Pure numpy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from knapformer.plan.plan import RankFeatures
+from knapformer.workload import WorkloadModel
+
+__all__ = ["OnlineFit", "Observation"]
+
+
+def _round(v: float, digits: int = 9) -> float:
+    if v == 0 or not math.isfinite(v):
+        return float(v)
+    return float(f"{v:.{digits}g}")
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One timed step: per rank (S,) features and measured seconds."""
+
+    features: RankFeatures
+    seconds: np.ndarray
+
+
+@dataclass
+class OnlineFit:
+    """Accumulates timed steps and refits the cost model (see the module docstring)."""
+
+    prior: WorkloadModel
+    """The model to start from (its coefficients' ratios pull the fit; any units)."""
+    window: int = 16
+    """Steps kept."""
+    forget: float = 0.9
+    """Weight of a step ``forget**age`` (age 0 = the newest)."""
+    estimate_speed: bool = False
+    speed_floor: float = 0.25
+    """No rank's estimated speed goes below this (relative to the median rank)."""
+    ridge: float = 1e-3
+    """Strength of the pull towards the (rescaled) prior, per observation row."""
+    history: deque = field(default_factory=deque, repr=False)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.forget <= 1:
+            raise ValueError(f"forget must be in (0, 1], got {self.forget}")
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window}")
+        if not 0 < self.speed_floor <= 1:
+            raise ValueError(f"speed_floor must be in (0, 1], got {self.speed_floor}")
+
+    def add(self, obs: Observation) -> None:
+        """Record one step (ranks whose time is not positive and finite are left out)."""
+        self.history.append(obs)
+        while len(self.history) > self.window:
+            self.history.popleft()
+
+    @property
+    def steps(self) -> int:
+        return len(self.history)
+
+    def _rows(self):
+        X, y, w, rank = [], [], [], []
+        for age, obs in enumerate(reversed(self.history)):
+            f = obs.features
+            ok = np.isfinite(obs.seconds) & (obs.seconds > 0)
+            X.append(np.stack([f.tokens, f.attn, f.seqs], axis=1)[ok])
+            y.append(obs.seconds[ok])
+            w.append(np.full(int(ok.sum()), self.forget**age))
+            rank.append(np.flatnonzero(ok))
+        return np.concatenate(X), np.concatenate(y), np.concatenate(w), np.concatenate(rank)
+
+    def fit(self, speeds: np.ndarray | None = None) -> tuple[WorkloadModel, np.ndarray | None]:
+        """(the refitted model in seconds per layer, estimated speeds or None); the prior
+        unchanged (and None) until a step has been recorded."""
+        if not self.history:
+            return self.prior, None
+        X, y, w, rank = self._rows()
+        if y.size == 0:
+            return self.prior, None
+        S = self.history[-1].seconds.size
+        speed = np.ones(S) if speeds is None else np.asarray(speeds, dtype=np.float64)
+        coef = self._solve(X, y, w, speed[rank])
+        est = None
+        if self.estimate_speed:
+            pred = X @ coef[:3]
+            ratio = np.full(S, np.nan)
+            for r in range(S):
+                sel = (rank == r) & (pred > 0)
+                if sel.any():
+                    ratio[r] = np.median(pred[sel] / np.maximum(y[sel] - coef[3], 1e-12))
+            good = np.isfinite(ratio)
+            if good.any():
+                ratio[~good] = np.median(ratio[good])
+                est = np.maximum(ratio / np.median(ratio), self.speed_floor)
+                est = np.asarray([_round(v, 6) for v in est])
+                coef = self._solve(X, y, w, est[rank])  # refit with the speeds taken out
+        layers = self.prior.num_layers
+        if coef[0] <= 0 and coef[1] <= 0:  # degenerate data (e.g. one step of identical ranks): keep the prior
+            return self.prior, est
+        model = dataclasses.replace(
+            self.prior,
+            linear=_round(coef[0] / layers),
+            quadratic=_round(coef[1] / layers),
+            per_seq=_round(coef[2] / layers),
+            gamma=1.0,
+            meta={
+                **self.prior.meta,
+                "units": "seconds per layer",
+                "online_steps": self.steps,
+                "per_call_seconds": _round(coef[3] / layers),
+            },
+        )
+        return model, est
+
+    def _solve(self, X: np.ndarray, y: np.ndarray, w: np.ndarray, speed: np.ndarray) -> np.ndarray:
+        """Non-negative relative least squares with a ridge towards the rescaled prior."""
+        A = np.concatenate([X / speed[:, None], np.ones((X.shape[0], 1))], axis=1)
+        p = np.asarray([self.prior.linear_coef, self.prior.quad_coef, self.prior.per_seq, 0.0]) * self.prior.num_layers
+        pred_prior = A @ p
+        scale = float(np.sum(w * pred_prior * y / y**2) / max(np.sum(w * pred_prior**2 / y**2), 1e-300))
+        target = p * scale  # the prior in seconds
+        rw = np.sqrt(w) / y
+        rows = [A * rw[:, None]]
+        rhs = [y * rw]
+        lam = self.ridge * math.sqrt(max(len(y), 1))
+        for j in range(3):
+            if target[j] > 0:
+                e = np.zeros(4)
+                e[j] = lam / target[j]
+                rows.append(e[None, :])
+                rhs.append(np.asarray([lam]))
+        M, b = np.concatenate(rows), np.concatenate(rhs)
+        active = [j for j in range(3) if np.any(X[:, j] > 0)] + [3]
+        coef = np.zeros(4)
+        while active:
+            sol, *_ = np.linalg.lstsq(M[:, active], b, rcond=None)
+            if (sol >= 0).all():
+                coef[active] = sol
+                break
+            active = [j for j, v in zip(active, sol) if v >= 0]
+        return coef
