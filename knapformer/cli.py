@@ -4,6 +4,7 @@
     knapformer simulate [--ranks 2] [--mix ...] [--bags ...] [--model ...] [--report FILE]
     knapformer cluster --mix paper-joint --gpus 32 --model flux --bags g8n4
     knapformer calibrate --model mmdit-tiny --output profile.json
+    knapformer show plan.json -o plan.png
     knapformer demo [--out runs/plan-demo]     (the planner demo; `make demo` runs the simulator)
 
 Each subcommand is a tool module with ``add_args(parser)`` (torch-free) and ``run(args)``
@@ -58,6 +59,7 @@ COMMANDS = (
         "knapformer.tools.calibrate_args",
         "knapformer.tools.calibrate",
     ),
+    Command("show", "draw a plan file as a PNG", "knapformer.tools.show", "knapformer.tools.show"),
     Command(
         "demo",
         "plan the paper's mixes and write a table and a chart",

@@ -147,3 +147,31 @@ def test_simulate_and_cluster_help_expose_the_balancer_settings(capsys):
         text = capsys.readouterr().out
         for flag in ("--solver", "--max-tokens", "--rank-speed", "--attn-backend", "--profile", "--bags"):
             assert flag in text, (command, flag)
+
+
+def test_show_draws_bag_and_group_plans(tmp_path, capsys):
+    """knapformer show writes a PNG for a bag-layout plan and for a per-sequence (auto) plan."""
+    inp = write(tmp_path, {"seq_lens": [[4096, 256], [1024], [16384], [64, 64, 64], [9], [], [300, 3], [7]]})
+    for layout in ("g1n4+g2n2", "auto"):
+        plan_file = tmp_path / f"{layout}.json"
+        argv = ["plan", "--input", inp, "--bags", layout, "--heads", "8", "--hardware", "h100"]
+        assert main([*argv, "--output", str(plan_file)]) == 0
+        png = tmp_path / f"{layout}.png"
+        assert main(["show", str(plan_file), "-o", str(png)]) == 0
+        assert png.stat().st_size > 5000
+    from knapformer.plan import Plan
+
+    auto = Plan.from_json((tmp_path / "auto.json").read_text())
+    assert auto.cost_model is not None and auto.cost_model.num_heads == 8
+
+
+def test_show_refuses_a_broken_plan(tmp_path, capsys):
+    inp = write(tmp_path, {"seq_lens": [[40], [3]]})
+    plan_file = tmp_path / "p.json"
+    assert main(["plan", "--input", inp, "--bags", "g2n1", "--output", str(plan_file)]) == 0
+    d = json.loads(plan_file.read_text())
+    d["chunks"] = d["chunks"][1:]
+    plan_file.write_text(json.dumps(d))
+    assert main(["show", str(plan_file), "-o", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert "does not start at token 0" in err and len(err.strip().splitlines()) == 1, err

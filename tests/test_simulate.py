@@ -87,6 +87,7 @@ def test_tiny_run_on_two_ranks(tmp_path):
         warmup=0,
         peak_tflops=0.01,
         progress=False,
+        recalibrate=True,
     )
     rep = simulate(cfg)
     assert rep["loss_match"], rep["loss_max_rel_diff"]
@@ -101,6 +102,24 @@ def test_tiny_run_on_two_ranks(tmp_path):
     assert rep["speedup"] == pytest.approx(u["step_time"] / b["step_time"])
     from knapformer.tools.simulate import write_outputs
 
-    write_outputs(rep, str(tmp_path / "r.json"), str(tmp_path))
+    write_outputs(rep, str(tmp_path / "r.json"), str(tmp_path), str(tmp_path / "m.jsonl"))
     assert json.loads((tmp_path / "r.json").read_text())["world"] == 2
-    assert (tmp_path / "busy_per_rank.png").stat().st_size > 0
+    for png in ("busy_per_rank.png", "first_plan.png", "predicted_vs_measured.png"):
+        assert (tmp_path / png).stat().st_size > 0
+    # telemetry: one JSON record per balanced step, measured and predicted per rank
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert len(r["measured_s"]) == 2 and all(s > 0 for s in r["measured_s"]) and len(r["predicted"]) == 2
+        for key in (
+            "plan_ms",
+            "imbalance_before",
+            "imbalance_after",
+            "measured_imbalance",
+            "gap_to_bound",
+            "tokens_moved",
+            "bytes_moved",
+            "coefficients",
+        ):
+            assert r[key] is not None, key
+    assert records[1]["coefficients"]["units"] == "seconds per layer"  # refitted from step 1's timing

@@ -154,6 +154,9 @@ class Plan:
     """Name of the solver that produced the plan."""
     max_tokens_per_rank: int | None = None
     """Memory cap the plan was built under."""
+    cost_model: WorkloadModel | None = None
+    """The cost model the times were predicted with (carried for pictures and reports; not
+    part of the digest)."""
 
     # -- derived ---------------------------------------------------------------------------
     @property
@@ -233,6 +236,12 @@ class Plan:
         by contiguous chunks in group order (at most one per member, none on a non-member),
         the memory cap, and no makespan below the lower bound."""
         _check(self)
+
+    def plot(self, path, *, title: str | None = None) -> None:
+        """A PNG of the plan (:func:`knapformer.plan.picture.plot_plan`; needs matplotlib)."""
+        from knapformer.plan.picture import plot_plan
+
+        plot_plan(self, path, title=title)
 
     # -- JSON ------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -357,6 +366,7 @@ def _plan_to_dict(plan: Plan) -> dict[str, Any]:
         "tokens_moved": plan.tokens_moved,
         "plan_seconds": plan.plan_seconds,
         "max_tokens_per_rank": plan.max_tokens_per_rank,
+        "cost_model": plan.cost_model.to_dict() if plan.cost_model is not None else None,
         "stats": plan.stats(),
     }
 
@@ -383,6 +393,7 @@ def _plan_from_dict(d: dict[str, Any]) -> Plan:
             plan_seconds=float(d.get("plan_seconds", 0.0)),
             solver=str(d.get("solver", "unknown")),
             max_tokens_per_rank=d.get("max_tokens_per_rank"),
+            cost_model=WorkloadModel.from_dict(d["cost_model"]) if d.get("cost_model") else None,
         )
     except (TypeError, ValueError) as exc:
         raise ValueError(f"malformed plan JSON: {exc}") from exc
@@ -428,6 +439,7 @@ def build_plan(
         plan_seconds=plan_seconds,
         solver=solver,
         max_tokens_per_rank=problem.max_tokens_per_rank,
+        cost_model=problem.model,
     )
     plan.__dict__["index"] = problem.index  # share the numbering (fills the cached_property)
     cap = problem.max_tokens_per_rank

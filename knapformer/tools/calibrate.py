@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from knapformer.tools.calibrate_args import add_args
+from knapformer.tools.cli_support import progress as cli_progress
 from knapformer.tools.cli_support import run_tool
 from knapformer.tools.families import family_for
 from knapformer.tools.presets import preset
@@ -145,13 +146,9 @@ def calibrate(
         batches = fit_batches + held_batches
         inner = [timer.loops_for(make(b, backward), warmup=warmup) for b in batches]
         samples: list[list[float]] = [[] for _ in batches]
-        for r in range(repeats):
+        for _ in cli_progress(range(repeats), desc=f"{name} blocks: rounds", enabled=progress):
             for i, b in enumerate(batches):
                 samples[i].append(timer.once(make(b, backward), inner[i]))
-            if progress:
-                print(f"\r{name} blocks: round {r + 1}/{repeats}", end="", file=sys.stderr, flush=True)
-        if progress:
-            print(file=sys.stderr)
         times = [Timing(tuple(b), statistics.median(v)) for b, v in zip(batches, samples)]
         fit_t, held_t = times[: len(fit_batches)], times[len(fit_batches) :]
         ours, paper = fit_cost(fit_t), fit_paper_style(fit_t)

@@ -21,4 +21,4 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", required=True, help="profile JSON to write")
     p.add_argument("--plot", default=None, help="PNG of measured vs predicted")
     p.add_argument("--report", default=None, help="JSON with every timing and error")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", "--quiet", action="store_true", help="no progress bar")

@@ -31,6 +31,7 @@ __all__ = [
     "nonneg_float",
     "positive_float",
     "positive_int",
+    "progress",
     "rank_speed_list",
     "read_json",
     "run_command",
@@ -189,6 +190,9 @@ def add_balancer_args(
     )
     if execution:
         g.add_argument("--debug", action="store_true", help="per-layer cross-rank shape checks (a host sync per layer)")
+        g.add_argument("--measure", action="store_true", help="time each rank's balanced region every step")
+        g.add_argument("--recalibrate", action="store_true", help="refit the cost model online from the timings")
+        g.add_argument("--estimate-speed", action="store_true", help="with --recalibrate: estimate per-rank speeds")
 
 
 def cost_model_from_args(
@@ -215,4 +219,14 @@ def balancer_config_from_args(args: argparse.Namespace, *, cost: WorkloadModel, 
         attn_backend=args.attn_backend,
         debug=args.debug,
         time_budget_s=args.time_budget,
+        measure=args.measure,
+        recalibrate=args.recalibrate,
+        estimate_speed=args.estimate_speed,
     )
+
+
+def progress(iterable, *, total: int | None = None, desc: str = "", enabled: bool = True):
+    """A tqdm progress bar on stderr, quiet when ``enabled`` is off or stderr is not a TTY."""
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, total=total, desc=desc, disable=(not enabled) or None, leave=False, file=sys.stderr)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["plot_rank_work", "plot_step_times"]
+__all__ = ["plot_prediction", "plot_rank_work", "plot_step_times"]
 
 
 def _plt():
@@ -50,6 +50,29 @@ def plot_step_times(path: str | Path, series: dict[str, list[float]]) -> None:
     ax.set_xlabel("measured step")
     ax.set_ylabel("step time (s)")
     ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_prediction(path: str | Path, telemetry: list[dict]) -> None:
+    """Per step: the slowest rank's predicted and measured seconds when both exist (the model in
+    seconds and timing on), else the predicted imbalance (and the measured one, if timed)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    steps = [t["step"] for t in telemetry]
+    if all(t.get("predicted_s") and t.get("measured_s") for t in telemetry):
+        ax.plot(steps, [max(t["predicted_s"]) for t in telemetry], marker="o", label="predicted (slowest rank)")
+        ax.plot(steps, [max(t["measured_s"]) for t in telemetry], marker="s", label="measured (slowest rank)")
+        ax.set_ylabel("seconds of the balanced region")
+        ax.set_ylim(bottom=0)
+    else:
+        ax.plot(steps, [t["imbalance_after"] for t in telemetry], marker="o", label="predicted imbalance")
+        if all(t.get("measured_imbalance") is not None for t in telemetry):
+            ax.plot(steps, [t["measured_imbalance"] for t in telemetry], marker="s", label="measured imbalance")
+        ax.set_ylabel("max/mean - 1")
+    ax.set_xlabel("step")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

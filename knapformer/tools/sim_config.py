@@ -56,6 +56,12 @@ class SimConfig:
     """Per-layer cross-rank checks in the balanced run."""
     time_budget_s: float | None = None
     """Planning budget per step (layout ``auto``: more candidate plans)."""
+    measure: bool = False
+    """The balancer times its region every step (telemetry: measured vs predicted)."""
+    recalibrate: bool = False
+    """The balancer refits its cost model online from the timings (implies ``measure``)."""
+    estimate_speed: bool = False
+    """With ``recalibrate``: per-rank speeds estimated too."""
     hardware: str | None = None
     """Hardware preset (``knapformer.cluster.HARDWARE``) whose links price the exchanges for
     the planner; None = ``cpu-gloo`` on CPU and ``h100`` on CUDA for layout ``auto``, and no
@@ -128,6 +134,9 @@ class SimConfig:
             attn_backend=self.attn_backend,
             debug=self.debug,
             time_budget_s=self.time_budget_s,
+            measure=self.measure,
+            recalibrate=self.recalibrate,
+            estimate_speed=self.estimate_speed,
         )
 
 
@@ -150,7 +159,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--peak-tflops", type=positive_float, default=None, help="peak TFLOP/s per rank for HFU (default: probe)"
     )
     p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])
-    p.add_argument("--no-progress", action="store_true", help="no progress line")
+    p.add_argument("--no-progress", "--quiet", action="store_true", help="no progress bar")
     p.add_argument("--no-pin", action="store_true", help="do not pin CPU ranks to cores")
     p.add_argument(
         "--no-keep-memory", action="store_true", help="let glibc return freed buffers to the OS (page faults each step)"
@@ -162,6 +171,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "cpu-gloo on CPU, h100 on CUDA)",
     )
     p.add_argument("--report", default=None, help="write the JSON report here")
+    p.add_argument("--metrics", default=None, help="write the balancer's per-step telemetry here (JSONL)")
     p.add_argument("--plot-dir", default=None, help="write PNG charts here")
     add_balancer_args(
         p, bags_default=d.bags, bags_help="bag layout of the balanced run (default: one bag of all ranks)"
@@ -187,6 +197,9 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         debug=args.debug,
         hardware=args.hardware,
         time_budget_s=args.time_budget,
+        measure=args.measure,
+        recalibrate=args.recalibrate,
+        estimate_speed=args.estimate_speed,
         device=args.device,
         checkpointing=args.checkpointing,
         peak_tflops=args.peak_tflops,

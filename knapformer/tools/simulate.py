@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from knapformer.data.batches import make_batch
 from knapformer.models import LocalExecutor
+from knapformer.tools.cli_support import progress as cli_progress
 from knapformer.tools.cli_support import run_tool
 from knapformer.tools.families import family_for
 from knapformer.tools.presets import preset
@@ -125,6 +126,10 @@ def _worker(rank: int, world: int, cfg: SimConfig) -> dict:
     peak = cfg.peak_tflops * 1e12 if cfg.peak_tflops else _probe_peak(device, dtype)
     records = []
     total_steps = cfg.warmup + cfg.steps
+    telemetry: list = []
+    bal.on_step(telemetry.append)
+    first_plan = None
+    bar = cli_progress(range(total_steps), desc="steps", enabled=cfg.progress) if rank == 0 else None
     for step in range(total_steps):
         batch = make_batch(
             cfg.mix,
@@ -153,6 +158,8 @@ def _worker(rank: int, world: int, cfg: SimConfig) -> dict:
             if mode == "balanced":
                 plan = bal.plan(inputs.seq_lens)  # the one plan of the step
                 executor = bal
+                if first_plan is None and rank == 0:
+                    first_plan = plan.to_dict()
             else:
                 executor = LocalExecutor(inputs.seq_lens)
             plan_s = time.perf_counter() - plan_t
@@ -188,14 +195,16 @@ def _worker(rank: int, world: int, cfg: SimConfig) -> dict:
                 rec["pred_before"] = plan.imbalance_before
                 rec["pred_after"] = plan.imbalance_after
             records.append(rec)
-        if rank == 0 and cfg.progress:
-            print(
-                f"\rstep {step + 1}/{total_steps}",
-                end="" if step + 1 < total_steps else "\n",
-                file=sys.stderr,
-                flush=True,
-            )
-    return {"rank": rank, "records": records, "peak": peak}
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    bal.flush()  # the last step's telemetry
+    out = {"rank": rank, "records": records, "peak": peak}
+    if rank == 0:
+        out["telemetry"] = [t.to_dict() for t in telemetry]
+        out["first_plan"] = first_plan
+    return out
 
 
 def _to(batch, device):
@@ -211,6 +220,8 @@ def summarize(cfg: SimConfig, per_rank: list[dict]) -> dict:
     world = len(per_rank)
     measured = lambda r: r["step"] >= cfg.warmup  # noqa: E731
     report: dict = {"config": asdict(cfg), "world": world, "modes": {}}
+    report["telemetry"] = per_rank[0].get("telemetry", [])  # the balancer's record of every balanced step
+    report["first_plan"] = per_rank[0].get("first_plan")
     steps = sorted({r["step"] for r in per_rank[0]["records"] if measured(r)})
     peak = sum(p["peak"] for p in per_rank)
     busy_by_mode: dict[str, list[list[float]]] = {}
@@ -298,7 +309,13 @@ def _fmt(values: list[float]) -> str:
     return "/".join(f"{v:.2f}" for v in values) if len(values) <= 4 else f"{min(values):.2f}..{max(values):.2f}"
 
 
-def write_outputs(rep: dict, report_path: str | None, plot_dir: str | None) -> None:
+def write_outputs(rep: dict, report_path: str | None, plot_dir: str | None, metrics_path: str | None = None) -> None:
+    if metrics_path:
+        Path(metrics_path).parent.mkdir(parents=True, exist_ok=True)
+        with open(metrics_path, "w") as f:
+            for record in rep.get("telemetry", []):
+                f.write(json.dumps(record) + "\n")
+        print(f"wrote {metrics_path}")
     if report_path:
         Path(report_path).parent.mkdir(parents=True, exist_ok=True)
         Path(report_path).write_text(json.dumps(rep, indent=1) + "\n")
@@ -315,7 +332,18 @@ def write_outputs(rep: dict, report_path: str | None, plot_dir: str | None) -> N
             ylabel="seconds",
         )
         plot_step_times(Path(plot_dir) / "step_time.png", {"unbalanced": u["step_times"], "balanced": b["step_times"]})
-        print(f"wrote {plot_dir}/busy_per_rank.png and {plot_dir}/step_time.png")
+        written = ["busy_per_rank.png", "step_time.png"]
+        if rep.get("first_plan"):
+            from knapformer.plan import Plan
+
+            Plan.from_dict(rep["first_plan"]).plot(Path(plot_dir) / "first_plan.png")
+            written.append("first_plan.png")
+        if rep.get("telemetry"):
+            from knapformer.tools.plots import plot_prediction
+
+            plot_prediction(Path(plot_dir) / "predicted_vs_measured.png", rep["telemetry"])
+            written.append("predicted_vs_measured.png")
+        print(f"wrote {', '.join(f'{plot_dir}/{w}' for w in written)}")
 
 
 def check_config(cfg: SimConfig, world: int | None = None) -> None:
@@ -354,7 +382,7 @@ def run(args: argparse.Namespace) -> int:
     rep = simulate(cfg)
     if int(os.environ.get("RANK", "0")) == 0:
         print(format_report(rep))
-        write_outputs(rep, args.report, args.plot_dir)
+        write_outputs(rep, args.report, args.plot_dir, args.metrics)
     return 0
 
 

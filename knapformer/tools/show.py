@@ -1,0 +1,37 @@
+"""``knapformer show``: draw a plan file as a PNG.
+
+knapformer plan --input lens.json --bags auto --heads 24 --output plan.json
+knapformer show plan.json -o plan.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from knapformer.plan import Plan
+from knapformer.tools.cli_support import read_json, run_tool
+
+__all__ = ["add_args", "run"]
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("plan", help="plan JSON (knapformer plan --output)")
+    p.add_argument("-o", "--output", required=True, help="PNG to write")
+    p.add_argument("--title", default=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = Plan.from_dict(read_json(args.plan, "plan file"))
+    plan.validate()
+    plan.plot(args.output, title=args.title)
+    print(f"wrote {args.output}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_tool("show", add_args, run, argv, description=__doc__.splitlines()[0])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
