@@ -1,11 +1,14 @@
-"""Does a calibrated profile balance better than the default γ? Measured on real gloo ranks.
+"""Does the cost model matter? Wrong γ vs the offline calibrated profile vs online
+recalibration from the wrong γ, measured on real gloo ranks.
 
     python benchmarks/profile_vs_gamma.py [--profile profiles/cpu-mmdit-tiny.json] [--ranks 4]
 
-Runs the simulator twice on the same data and layout (1- and 2-rank bags, so the cost model
-decides which sequences share a bag): once planning with the paper form at ``--gamma``, once
-with the profile. Compares the balanced run's *measured* busy time max/mean (thread CPU time
-per rank, which stays meaningful when 4 ranks time-share 2 cores) and the predicted imbalance.
+Runs the simulator three times on the same data and layout (1- and 2-rank bags, so the cost
+model decides which sequences share a bag): planning with the paper form at ``--gamma``; with
+the profile; and starting from ``--gamma`` with ``recalibrate`` (the balancer times each step
+and refits its model online, so its first steps plan with the wrong γ). Compares the balanced
+run's *measured* busy time max/mean over the measured steps (thread CPU time per rank, which
+stays meaningful when 4 ranks time-share 2 cores) and the predicted imbalance.
 """
 
 from __future__ import annotations
@@ -30,11 +33,17 @@ def main() -> None:
     ap.add_argument("--gamma", type=float, default=2.0, help="γ of the comparison run")
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--bags", default="g1n2+g2n1")
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2, help="unmeasured steps (the online fit learns from them too)")
     ap.add_argument("--out", default="runs/bench/profile_vs_gamma.json")
     args = ap.parse_args()
     rows = []
-    for label, extra in ((f"gamma={args.gamma}", {"gamma": args.gamma}), ("profile", {"profile": args.profile})):
+    runs = (
+        (f"gamma={args.gamma}", {"gamma": args.gamma}),
+        ("profile", {"profile": args.profile}),
+        (f"online from gamma={args.gamma}", {"gamma": args.gamma, "recalibrate": True}),
+    )
+    for label, extra in runs:
         cfg = SimConfig(
             ranks=args.ranks,
             mix=MIX,
@@ -42,7 +51,7 @@ def main() -> None:
             bags=args.bags,
             model=args.model,
             steps=args.steps,
-            warmup=1,
+            warmup=args.warmup,
             peak_tflops=0.05,
             progress=False,
             **extra,

@@ -40,6 +40,17 @@ class LayoutResult:
         return dict(self.__dict__)
 
 
+def _bar(items, desc: str, enabled: bool):
+    """A tqdm bar when asked for and stderr is a TTY (the cluster model is otherwise silent)."""
+    if not enabled:
+        return items
+    import sys
+
+    from tqdm.auto import tqdm
+
+    return tqdm(items, desc=desc, disable=None, leave=False, file=sys.stderr)
+
+
 def bag_sizes_for(heads: int, gpus_per_node: int, num_gpus: int, allow_cross_node: bool) -> list[int]:
     """Bag sizes that split the heads evenly and fit the node (or the cluster)."""
     limit = num_gpus if allow_cross_node else min(gpus_per_node, num_gpus)
@@ -73,6 +84,7 @@ def evaluate(
     fixed_s: float = 0.0,
     rank_speed: Sequence[float] | None = None,
     attn_backend: str = "auto",
+    progress: bool = False,
 ) -> LayoutResult:
     """Mean prediction over sampled steps. ``balancer`` is the balancer's configuration (its
     layout, planning cost model, solver, cap, rank speeds), a layout spec (planned with the
@@ -92,7 +104,7 @@ def evaluate(
     else:
         raise ValueError(f"balancer must be a BalancerConfig or 'none', got {balancer!r}")
     preds, plan_ms = [], []
-    for lens in steps:
+    for lens in _bar(steps, f"{name}: steps", progress):
         if not isinstance(balancer, BalancerConfig):
             preds.append(
                 predict_unbalanced(
@@ -148,6 +160,7 @@ def search_layouts(
     profile: WorkloadModel | None = None,
     allow_cross_node: bool = False,
     fixed_s: float = 0.0,
+    progress: bool = False,
 ) -> tuple[LayoutResult, list[LayoutResult], LayoutResult]:
     """(best, all candidates sorted by step time, the 'none' baseline). Every candidate layout
     is planned with ``balancer``'s other settings (its own layout is ignored)."""
@@ -165,7 +178,8 @@ def search_layouts(
         attn_backend=balancer.attn_backend,
     )
     results = []
-    for spec in candidate_layouts(num_gpus, shape.heads, hw.gpus_per_node, allow_cross_node=allow_cross_node):
+    specs = candidate_layouts(num_gpus, shape.heads, hw.gpus_per_node, allow_cross_node=allow_cross_node)
+    for spec in _bar(specs, "layouts", progress):
         cfg = dataclasses.replace(balancer, layout=spec)
         r = evaluate(steps, cfg, shape, hw, profile=profile, fixed_s=fixed_s)
         r.speedup = base.step_s / r.step_s

@@ -79,6 +79,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--allow-cross-node", action="store_true", help="the layout search may use bags spanning nodes")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_balancer_args(
         p,
         bags_default="search",
@@ -148,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     # the layout of the config is a placeholder while searching (each candidate replaces it)
     layout = f"g1n{args.gpus}" if search or args.bags == "none" else args.bags
     cfg = _balancer(args, shape, hw, compute_profile, layout)
-    kw = {"profile": compute_profile, "fixed_s": args.fixed_s}
+    kw = {"profile": compute_profile, "fixed_s": args.fixed_s, "progress": not args.quiet}
     if search:
         best, results, base = search_layouts(steps, shape, hw, cfg, allow_cross_node=args.allow_cross_node, **kw)
     else:
