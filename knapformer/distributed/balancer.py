@@ -30,6 +30,7 @@ collectives use the group's backend: gloo for CPU tensors, NCCL for CUDA tensors
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Sequence
 
@@ -420,9 +421,7 @@ class SequenceBalancer:
             self._timer.start(x.device)
             tensors = self._timer.mark(tensors)
             tensors = tensors if isinstance(tensors, tuple) else (tensors,)
-        self._bytes_per_token = sum(
-            t[0].numel() * t.element_size() if t.dim() > 1 else t.element_size() for t in tensors
-        )
+        self._bytes_per_token = sum(math.prod(t.shape[1:]) * t.element_size() for t in tensors)
         out = ops.route(tensors, spec, self.group)
         return out[0] if not features else tuple(out)
 

@@ -12,10 +12,12 @@ model's own modules and weights do all the math. How it works with *stock* block
   per-token modulation when ``temb`` is given per token. Double blocks get text tokens as
   ``encoder_hidden_states`` and image tokens as ``hidden_states``; single blocks get all
   tokens as ``hidden_states`` and an empty ``[T, 0, D]`` text tensor.
-- The two streams of a double block share one ``temb`` argument; a forward pre-hook on each
-  block's ``norm1``/``norm1_context``/``norm`` (per instance, installed once by
-  :func:`prepare_flux`) picks the stream's per-token tensor from a :class:`_StreamTemb`. For
-  a plain tensor the hook does nothing, so the stock API keeps working unchanged.
+- Modulation at stock cost: every AdaLN norm computes ``linear(silu(temb))`` once per *sample*
+  (a forward pre-hook on each block's ``norm1``/``norm1_context``/``norm`` and on ``norm_out``,
+  per instance, hands it the per-sample ``temb`` of a :class:`_StreamTemb`), and a forward hook
+  on that norm's ``linear`` expands the (samples, k·D) result to the stream's tokens with one
+  ``index_select`` — exact, and no (tokens, D) matmul. For a plain tensor the hooks do
+  nothing, so the stock API keeps working unchanged.
 - The attention processor (:class:`PackedFluxAttnProcessor`, set per instance) computes
   q/k/v with the stock projections and norms, applies RoPE with the stock function, and runs
   attention within each sample — through ``SequenceBalancer.attention`` (Ulysses inside
@@ -135,22 +137,39 @@ class PackedFluxOutput(list):
 
 
 class _StreamTemb:
-    """Per-token conditioning for both streams; the norm hooks pick the right one."""
+    """Per-sample conditioning (S, D) and, per stream, the sample of each of its tokens; the
+    norm hooks modulate per sample and expand to the stream's tokens."""
 
-    def __init__(self, txt: torch.Tensor, img: torch.Tensor, all_tokens: torch.Tensor | None = None) -> None:
-        self.txt, self.img, self.all = txt, img, all_tokens
+    def __init__(self, per_sample: torch.Tensor, rows: dict[str, torch.Tensor]) -> None:
+        self.per_sample, self.rows = per_sample, rows
 
 
 def _pick(stream: str):
+    """Pre-hook of an AdaLN norm: per-sample ``emb`` in, the stream's token->sample rows noted
+    on the norm's ``linear`` for :func:`_expand`."""
+
     def hook(module, args, kwargs):
-        emb = kwargs.get("emb")
-        if isinstance(emb, _StreamTemb):
-            kwargs = dict(kwargs)
-            kwargs["emb"] = getattr(emb, stream)
-            return args, kwargs
-        return None
+        if isinstance(kwargs.get("emb"), _StreamTemb):
+            emb = kwargs["emb"]
+            kwargs = {**kwargs, "emb": emb.per_sample}
+        elif len(args) > 1 and isinstance(args[1], _StreamTemb):  # AdaLayerNormContinuous(x, emb)
+            emb = args[1]
+            args = (args[0], emb.per_sample, *args[2:])
+        else:
+            return None
+        module.linear._knapformer_rows = emb.rows[stream]
+        return args, kwargs
 
     return hook
+
+
+def _expand(linear, inputs, output):
+    """Forward hook of a norm's ``linear``: (samples, k·D) modulation -> one row per token."""
+    rows = getattr(linear, "_knapformer_rows", None)
+    if rows is None:
+        return None
+    linear._knapformer_rows = None
+    return output.index_select(0, rows)
 
 
 @dataclass
@@ -193,7 +212,7 @@ class PackedFluxAttnProcessor:
             eq, ek, ev = (t.unflatten(-1, (-1, attn.head_dim)).squeeze(1) for t in (eq, ek, ev))
             eq, ek = attn.norm_added_q(eq), attn.norm_added_k(ek)
             q, k, v = torch.cat([eq, q]), torch.cat([ek, k]), torch.cat([ev, v])
-        if image_rotary_emb is not None:  # stock function, sequence = token dim
+        if image_rotary_emb is not None and q.shape[0]:  # stock function, sequence = token dim
             q = apply_rotary_emb(q.unsqueeze(0), image_rotary_emb, sequence_dim=1)[0]
             k = apply_rotary_emb(k.unsqueeze(0), image_rotary_emb, sequence_dim=1)[0]
         q, k, v = (t.index_select(0, packed.to_routed) for t in (q, k, v))
@@ -251,20 +270,25 @@ def samples_from_batch(batch, cfg, *, seed: int) -> list[FluxSample]:
 
 
 def prepare_flux(model) -> None:
-    """Install the packed attention processor and the per-stream temb hooks, once, on this
-    model instance only (idempotent; the stock forward keeps its behaviour)."""
+    """Install the packed attention processor and the per-stream modulation hooks on this model
+    instance only (the stock forward keeps its behaviour). Checks every call: an attention
+    module whose processor was replaced since (``set_attn_processor``) gets the packed one
+    again, and each norm is hooked once."""
     require_diffusers()
-    if getattr(model, "_knapformer_prepared", False):
-        return
-    proc = PackedFluxAttnProcessor()
-    for block in model.transformer_blocks:
-        block.attn.set_processor(proc)
-        block.norm1.register_forward_pre_hook(_pick("img"), with_kwargs=True)
-        block.norm1_context.register_forward_pre_hook(_pick("txt"), with_kwargs=True)
-    for block in model.single_transformer_blocks:
-        block.attn.set_processor(proc)
-        block.norm.register_forward_pre_hook(_pick("all"), with_kwargs=True)
-    model._knapformer_prepared = True
+    proc = None
+    for block in [*model.transformer_blocks, *model.single_transformer_blocks]:
+        if not isinstance(block.attn.processor, PackedFluxAttnProcessor):
+            proc = proc or PackedFluxAttnProcessor()
+            block.attn.set_processor(proc)
+    norms = [(b.norm1, "img") for b in model.transformer_blocks]
+    norms += [(b.norm1_context, "txt") for b in model.transformer_blocks]
+    norms += [(b.norm, "all") for b in model.single_transformer_blocks]
+    norms += [(model.norm_out, "img")]
+    for norm, stream in norms:
+        if not getattr(norm, "_knapformer_hooked", False):
+            norm.register_forward_pre_hook(_pick(stream), with_kwargs=True)
+            norm.linear.register_forward_hook(_expand)
+            norm._knapformer_hooked = True
 
 
 def flux_seq_lens(samples: Sequence[FluxSample]) -> list[int]:
@@ -330,9 +354,10 @@ def packed_flux_forward(
     joint = torch.cat([r_txt, r_img])  # joint order -> routed rows
     # joint row j is routed row joint[j]; routed row i is joint row r_inv[i]
     packed = _Packed(executor=ex, to_routed=r_inv, from_routed=joint, num_txt=int(r_txt.numel()))
-    rope = model.pos_embed(ids_r.index_select(0, joint))
-    tok_temb = temb_all.index_select(0, seq_id)
-    st = _StreamTemb(txt=tok_temb.index_select(0, r_txt), img=tok_temb.index_select(0, r_img))
+    rope = model.pos_embed(ids_r.index_select(0, joint)) if joint.numel() else None
+    # per-sample conditioning, expanded to the tokens only after each norm's linear
+    sample_txt, sample_img = seq_id.index_select(0, r_txt), seq_id.index_select(0, r_img)
+    st = _StreamTemb(temb_all, {"txt": sample_txt, "img": sample_img, "all": torch.cat([sample_txt, sample_img])})
     txt_s = h.index_select(0, r_txt).unsqueeze(1)  # (T_txt, 1, D)
     img_s = h.index_select(0, r_img).unsqueeze(1)
     kw = {"packed": packed}
@@ -340,13 +365,12 @@ def packed_flux_forward(
     for block in model.transformer_blocks:
         txt_s, img_s = _call(model, block, img_s, txt_s, st, rope, kw)
     allt = torch.cat([txt_s, img_s])  # joint order
-    st_all = _StreamTemb(txt=None, img=None, all_tokens=torch.cat([st.txt, st.img]))
     empty = allt.new_zeros(allt.shape[0], 0, D)
     for block in model.single_transformer_blocks:
-        _, allt = _call(model, block, allt, empty, st_all, rope, kw)
+        _, allt = _call(model, block, allt, empty, st, rope, kw)
     img_s = allt[packed.num_txt :]
     # 4. output head on image tokens (per-token norm_out modulation), back to routed order
-    out_img = model.proj_out(model.norm_out(img_s, st.img))[:, 0]  # (R_img, C)
+    out_img = model.proj_out(model.norm_out(img_s, st))[:, 0]  # (R_img, C)
     out = merge_streams(out_img.new_zeros(packed.num_txt, out_img.shape[1]), out_img, r_inv)
     out_local = ex.reverse_route(out)  # (T, C) local order
     img_rows = out_local.index_select(0, i_img)
