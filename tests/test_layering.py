@@ -2,7 +2,8 @@
 no import circles; the core never reaches up into tools, integrations or the cluster model.
 
 Imports are read from the source (every ``import`` statement, top level or inside a function),
-so a lazy import counts as much as an eager one.
+so a lazy import counts as much as an eager one; only ``if TYPE_CHECKING:`` imports (never run)
+do not count.
 """
 
 import ast
@@ -47,7 +48,16 @@ def _imports(path: Path, root: Path = ROOT) -> set[str]:
     me = _module_name(path, root)
     package = me if path.name == "__init__.py" else me.rpartition(".")[0]
     out = set()
+    typing_only = {
+        id(n)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
+        for stmt in block.body
+        for n in ast.walk(stmt)
+    }
     for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names if a.name.startswith("knapformer"))
         elif isinstance(node, ast.ImportFrom):

@@ -11,11 +11,14 @@ few ranks and for 64; matplotlib is imported only here, when a picture is asked 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from knapformer.plan.plan import Plan
 from knapformer.plan.seqindex import DST, IDX, LEN, SRC
+
+if TYPE_CHECKING:  # Plan.plot imports this module lazily; no runtime circle
+    from knapformer.plan.plan import Plan
 
 __all__ = ["plot_plan"]
 
