@@ -1,6 +1,7 @@
 """knapformer: balance variable-length DiT training across GPUs.
 
-Main API: :class:`WorkloadModel` (cost of a sequence), :func:`parse_layout` (bag specs),
+Main API: :class:`WorkloadModel` (cost of a sequence), :class:`BalancerConfig` (every
+balancer setting, validated), :func:`parse_layout` (bag specs),
 :func:`plan_sequences` / :class:`Plan` (pure planning), and :class:`SequenceBalancer`
 (routing and Ulysses attention over torch.distributed; imported lazily so that planning
 never imports torch).
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from knapformer.config import BalancerConfig
 from knapformer.layout import BagLayout, parse_layout
 from knapformer.plan import SOLVERS, Plan, PlanProblem, plan_sequences
 from knapformer.workload import WorkloadModel
@@ -17,6 +19,7 @@ from knapformer.workload import WorkloadModel
 __all__ = [
     "SOLVERS",
     "BagLayout",
+    "BalancerConfig",
     "Plan",
     "PlanProblem",
     "SequenceBalancer",

@@ -11,6 +11,14 @@ Cost of a chunk: a chunk of ℓ tokens of a sequence of length L in a bag of k r
 sequence for h/k heads. Summed over the bag this is exactly ``cost(L)``: moving work never
 creates or destroys it, which is what makes ``total / ranks`` a valid lower bound.
 
+Cross-attention (Wan's text attention): with ``context_len`` = C context tokens per sequence,
+each query token also attends to C keys (``cross·C`` per token, ``cross`` = γ·4·d in the
+paper form) and every rank that runs the sequence projects the C context tokens to keys and
+values once (``4·d²·C`` per sequence and rank). Both are linear in the sequence's share, so a
+sequence split over k ranks still sums to its whole cost (plus the duplicated projection). C
+is one number for every sequence: Wan pads its text to 512 tokens (+257 image tokens for
+I2V); unpadded texts of varying length are priced at this typical length.
+
 FLOP counts (for HFU) are the true forward FLOPs ``24·L·d² + 4·L²·d`` per layer (γ is a
 *time* fudge, not FLOPs), backward = 2× forward, activation recompute = 1× forward.
 
@@ -85,6 +93,13 @@ class WorkloadModel:
     per_seq: float = 0.0
     """Fixed cost per sequence on every rank that runs it (kernel launches, one attention call
     per sequence); calibrated profiles fit it, the paper's form has none."""
+    context_len: int = 0
+    """Context tokens (text) each sequence cross-attends to per layer; 0 = no cross-attention.
+    A calibrated or online-fitted profile absorbs the cross term into its coefficients and
+    has 0 here."""
+    cross: float | None = None
+    """Override of the cross-attention coefficient (per query token and context token);
+    None = ``γ·4·d``."""
     meta: dict = field(default_factory=dict, compare=False)
     """Free-form provenance (device, date, fit quality) carried through JSON."""
 
@@ -97,7 +112,9 @@ class WorkloadModel:
             raise ValueError(f"num_layers must be a positive int, got {self.num_layers!r}")
         if not isinstance(self.causal, bool):
             raise ValueError(f"causal must be a bool, got {self.causal!r}")
-        for name in ("linear", "quadratic", "per_seq"):
+        if not isinstance(self.context_len, int) or isinstance(self.context_len, bool) or self.context_len < 0:
+            raise ValueError(f"context_len must be an int >= 0, got {self.context_len!r}")
+        for name in ("linear", "quadratic", "per_seq", "cross"):
             v = getattr(self, name)
             if v is not None and not (_is_number(v) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} coefficient must be finite and >= 0, got {v!r}")
@@ -117,10 +134,20 @@ class WorkloadModel:
     # -- coefficients -------------------------------------------------------------------
     @property
     def linear_coef(self) -> float:
-        """Cost per token of the token-wise part."""
-        if self.linear is not None:
-            return float(self.linear)
-        return linear_flops_per_token(self.d_model, self.kv_ratio)
+        """Cost per token of the token-wise part (with the cross-attention of its context)."""
+        base = float(self.linear) if self.linear is not None else linear_flops_per_token(self.d_model, self.kv_ratio)
+        return base + self.cross_coef * self.context_len
+
+    @property
+    def cross_coef(self) -> float:
+        """Cost per (query token, context token) pair of cross-attention."""
+        return float(self.cross) if self.cross is not None else self.gamma * 4.0 * self.d_model
+
+    @property
+    def per_seq_coef(self) -> float:
+        """Fixed cost per sequence and rank: ``per_seq`` plus projecting the context to keys
+        and values (every rank that runs part of the sequence does it)."""
+        return self.per_seq + 4.0 * self.d_model * self.d_model * self.context_len
 
     @property
     def kv_ratio(self) -> float:
@@ -148,12 +175,12 @@ class WorkloadModel:
 
     def cost(self, length: Any) -> Any:
         """Cost of a whole sequence on one rank."""
-        return self.lin(length) + self.quad(length) + self.per_seq
+        return self.lin(length) + self.quad(length) + self.per_seq_coef
 
     def chunk_cost(self, chunk_len: Any, seq_len: Any, bag_size: Any) -> Any:
         """Cost on one bag rank of a chunk of ``chunk_len`` tokens of a ``seq_len`` sequence
         (every bag rank runs h/k heads of the whole sequence, and pays the per-sequence cost)."""
-        return self.lin(chunk_len) + self.quad(seq_len) / np.asarray(bag_size, dtype=np.float64) + self.per_seq
+        return self.lin(chunk_len) + self.quad(seq_len) / np.asarray(bag_size, dtype=np.float64) + self.per_seq_coef
 
     @property
     def gamma_equivalent(self) -> float:
@@ -165,6 +192,9 @@ class WorkloadModel:
         """True FLOPs of all layers: forward (+ backward = 2× forward, + recompute = 1×)."""
         mult = 1.0 + (2.0 if backward else 0.0) + (1.0 if recompute else 0.0)
         per_layer = transformer_flops(length, self.d_model, causal=self.causal, kv_ratio=self.kv_ratio)
+        if self.context_len:  # cross-attention scores/values and the context's k/v projections
+            C, d = self.context_len, self.d_model
+            per_layer = per_layer + 4.0 * np.asarray(length, dtype=np.float64) * C * d + 4.0 * d * d * C
         return mult * self.num_layers * per_layer
 
     # -- profiles ------------------------------------------------------------------------
@@ -193,6 +223,8 @@ class WorkloadModel:
             "meta",
             "num_heads",
             "num_kv_heads",
+            "context_len",
+            "cross",
         }
         unknown = sorted(set(data) - known)
         if unknown:

@@ -167,7 +167,7 @@ def case_planner_differs_debug_off(rank, world, bal):
     from knapformer.plan import build_plan
 
     real = B.get_solver
-    B.get_solver = lambda name: lambda p: build_plan(p, np.zeros(p.num_seqs, dtype=np.int64), solver=name)
+    B.get_solver = lambda name: lambda p, **kw: build_plan(p, np.zeros(p.num_seqs, dtype=np.int64), solver=name)
     if rank != 0:
         B.get_solver = real
     single = SequenceBalancer(f"g1n{world}", MODEL)  # rank 0 puts everything on rank 0, the others do not
@@ -192,6 +192,43 @@ def case_route_wrong_plan_layout(rank, world, bal):
     return _outcome(lambda: bal.route(torch.zeros(10 if rank == 0 else 5, 2), seq_lens=[6, 4] if rank == 0 else [5]))
 
 
+def _context(rank, rows_per_seq: int = 3, dtype=torch.float64):
+    lens = [rows_per_seq] * len(_lens(rank))
+    return torch.randn(sum(lens), 5, dtype=dtype), lens
+
+
+def case_context_lengths_wrong_on_one_rank(rank, world, bal):
+    """route_context with one length too few on rank 1."""
+    bal.plan(_lens(rank))
+    ctx, lens = _context(rank)
+    return _outcome(lambda: bal.route_context(ctx, lens[:-1] if rank == 1 else lens))
+
+
+def case_context_dtype_differs(rank, world, bal):
+    bal.plan(_lens(rank))
+    ctx, lens = _context(rank, dtype=torch.float32 if rank == 0 else torch.float64)
+    return _outcome(lambda: bal.route_context(ctx, lens))
+
+
+def case_cross_attention_bad_kv_rows(rank, world, bal):
+    """Rank 0's keys/values have a row more than its routed context: zeros there, and the
+    error is raised on every rank at the next agreement point (reverse_route)."""
+    bal.plan(_lens(rank))
+
+    def step():
+        x = torch.zeros(sum(_lens(rank)), 1, dtype=torch.float64)
+        y = bal.route(x)
+        ctx, lens = _context(rank)
+        routed = bal.route_context(ctx, lens)
+        m = routed.rows.shape[0] + (rank == 0)
+        q = torch.randn(y.shape[0], H, D, dtype=torch.float64)
+        k = torch.randn(m, H, D, dtype=torch.float64)
+        bal.cross_attention(q, k, k, routed)
+        bal.reverse_route(y)
+
+    return _outcome(step)
+
+
 def _good_plan(bal, rank):
     bal.plan(_lens(rank))
     return bal.current_plan
@@ -213,6 +250,9 @@ RUNNING = [
     case_huge_length_on_one_rank,
     case_bool_length_on_one_rank,
     case_route_wrong_plan_layout,
+    case_context_lengths_wrong_on_one_rank,
+    case_context_dtype_differs,
+    case_cross_attention_bad_kv_rows,
 ]
 
 
@@ -246,5 +286,14 @@ EXPECTED = {
     "case_huge_length_on_one_rank": (BalancerInputError, "bad local_seq_lens on rank(s) [0]"),
     "case_bool_length_on_one_rank": (BalancerInputError, "bad local_seq_lens on rank(s)"),
     "case_route_wrong_plan_layout": (BalancerInputError, "bad input on rank(s) [0]"),
+    "case_context_lengths_wrong_on_one_rank": (
+        BalancerInputError,
+        "SequenceBalancer.route_context: bad input on rank(s) [1]",
+    ),
+    "case_context_dtype_differs": (BalancerInputError, "context dtype and shape differs on rank(s)"),
+    "case_cross_attention_bad_kv_rows": (
+        BalancerInputError,
+        "SequenceBalancer.reverse_route: bad input on rank(s) [0]",
+    ),
 }
 """Case -> (error type every rank raises, text every rank's message contains)."""

@@ -10,7 +10,7 @@ import torch
 from knapformer import SequenceBalancer, WorkloadModel
 from knapformer.distributed import BalancerInputError
 from knapformer.plan import plan_from_groups
-from knapformer.testing import reference_attention
+from knapformer.testing import reference_attention, reference_cross_attention
 
 MODEL = WorkloadModel(d_model=48)
 
@@ -154,10 +154,58 @@ def _check_step(bal, plan, rank, heads, kv_heads, seed, seen) -> None:
         grad = w.grad.clone()
         torch.distributed.all_reduce(grad, group=bal.group)
         _close(grad, r.grad, f"step {step} grad {name}", 1e-10)
+    _check_cross(bal, plan, rank, heads, kv_heads, g)
     spec = bal.spec
     degrees = {e.degree for e in spec.entries}
     seen["mixed_rank"] |= 1 in degrees and len(degrees) >= 2
     seen["idle_rank"] |= spec.num_routed == 0
+
+
+def _check_cross(bal, plan, rank, heads, kv_heads, g) -> None:
+    """Cross-attention over per-sequence contexts (some empty) routed once with route_context:
+    each rank receives exactly its sequences' contexts; outputs and gradients (of the routed
+    tokens, the contexts and the projections) equal one process."""
+    D, F, Fc = 4, 5, 3
+    lens = [n for r in plan.seq_lens for n in r]
+    ctx_lens = [int(v) for v in torch.randint(0, 6, (len(lens),), generator=g)]
+    if ctx_lens:
+        ctx_lens[0] = 0  # a sequence with no context
+    total, mine = sum(lens), _mine(plan, rank)
+    first, count = int(plan.index.first[rank]), len(plan.seq_lens[rank])
+    c_start = sum(ctx_lens[:first])
+    c_mine = slice(c_start, c_start + sum(ctx_lens[first : first + count]))
+    x = torch.randn(total, F, generator=g, dtype=torch.float64)
+    ctx = torch.randn(sum(ctx_lens), Fc, generator=g, dtype=torch.float64)
+    wq = torch.randn(F, heads * D, generator=g, dtype=torch.float64)
+    wk = torch.randn(Fc, kv_heads * D, generator=g, dtype=torch.float64)
+    wv = torch.randn(Fc, kv_heads * 2, generator=g, dtype=torch.float64)
+    target = torch.randn(total, heads, 2, generator=g, dtype=torch.float64)
+
+    def project(xs, cs, ws):
+        return (xs @ ws[0]).view(-1, heads, D), (cs @ ws[1]).view(-1, kv_heads, D), (cs @ ws[2]).view(-1, kv_heads, 2)
+
+    rx, rc = x.clone().requires_grad_(), ctx.clone().requires_grad_()
+    rw = [w.clone().requires_grad_() for w in (wq, wk, wv)]
+    ref = reference_cross_attention(*project(rx, rc, rw), lens, ctx_lens)
+    (ref * target).sum().backward()
+    bx, bc = x[mine].clone().requires_grad_(), ctx[c_mine].clone().requires_grad_()
+    bw = [w.clone().requires_grad_() for w in (wq, wk, wv)]
+    routed = bal.route_context(bc, ctx_lens[first : first + count])
+    seq_id, _ = bal.routed_positions()
+    held = sorted(set(seq_id.tolist()))
+    assert routed.seq_ids.tolist() == held, "route_context: not exactly the sequences of my routed tokens"
+    expect = torch.cat([ctx[sum(ctx_lens[:s]) : sum(ctx_lens[: s + 1])] for s in held]) if held else ctx[:0]
+    assert torch.equal(routed.rows.detach(), expect), "route_context: wrong context rows"
+    q, k, v = project(bal.route(bx), routed.rows, bw)
+    out = bal.reverse_route(bal.cross_attention(q, k, v, routed))
+    _close(out, ref.detach()[mine], "cross-attention forward", 1e-10)
+    (out * target[mine]).sum().backward()
+    _close(bx.grad, rx.grad[mine], "cross-attention grad x", 1e-10)
+    _close(bc.grad, rc.grad[c_mine], "cross-attention grad context", 1e-10)
+    for name, w, r in zip(("wq", "wk", "wv"), bw, rw):
+        grad = w.grad.clone()
+        torch.distributed.all_reduce(grad, group=bal.group)
+        _close(grad, r.grad, f"cross-attention grad {name}", 1e-10)
 
 
 def check_bad_group_plans(rank: int, world: int) -> list[str]:

@@ -52,11 +52,23 @@ def _shadow(model: Transformer, bal: SequenceBalancer) -> None:
     h.sum().backward()
 
 
+def _train_step(model, bal, rank, world, step, slow_rank) -> None:
+    lens = _lens(step, rank, world)
+    b = batch_from_lens(lens, [0] * len(lens), seed=1, rank=rank, step=step, in_dim=16, vec_dim=1, out_dim=16)
+    bal.plan(lens)
+    out = model(b.x, b.seq_lens, executor=bal)
+    if rank == slow_rank:
+        _shadow(model, bal)  # inside the timed region: before the backward reaches route
+    ((out - b.target) ** 2).mean().backward()
+    model.zero_grad(set_to_none=True)
+
+
 def run_loop(
     rank: int, world: int, cost: WorkloadModel, steps: int, *, slow_rank: int | None, **settings
-) -> list[dict]:
+) -> tuple[list[dict], BalancerConfig]:
     """Train ``steps`` steps; ``slow_rank`` runs its blocks twice (:func:`_shadow`), so it
-    computes twice as long for the same plan. Returns this rank's telemetry per step."""
+    computes twice as long for the same plan. Returns this rank's telemetry per step and the
+    balancer's final settings (the recalibrated cost model and speeds, when on)."""
     torch.manual_seed(0)
     model = Transformer(CFG)
     cfg = BalancerConfig(layout=f"g1n{world}", cost=cost, measure=True, **settings)
@@ -64,31 +76,60 @@ def run_loop(
     records = []
     bal.on_step(lambda rec: records.append(rec.to_dict() | {"digest": _digest(bal.online_model())}))
     for step in range(steps):
-        lens = _lens(step, rank, world)
-        b = batch_from_lens(lens, [0] * len(lens), seed=1, rank=rank, step=step, in_dim=16, vec_dim=1, out_dim=16)
-        bal.plan(lens)
-        out = model(b.x, b.seq_lens, executor=bal)
-        if rank == slow_rank:
-            _shadow(model, bal)  # inside the timed region: before the backward reaches route
-        ((out - b.target) ** 2).mean().backward()
-        model.zero_grad(set_to_none=True)
+        _train_step(model, bal, rank, world, step, slow_rank)
     bal.flush()
-    return records
+    return records, bal.config
+
+
+EVAL_STEPS = (100, 101, 102, 103)
+EVAL_REPEATS = 3
+
+
+def evaluate(rank: int, world: int, config: BalancerConfig, *, slow_rank: int | None) -> float:
+    """Measured imbalance of ``config``'s plans (its cost model and speeds, frozen) on held-out
+    batches: each batch's plan is run ``EVAL_REPEATS`` times and each rank's minimum time kept
+    (this VM's vCPUs drift ±13% in speed and single steps spike; the minimum of a few repeats
+    is what the rank's work costs), then max/mean − 1, averaged over the batches."""
+    import dataclasses
+
+    torch.manual_seed(0)
+    model = Transformer(CFG)
+    cfg = dataclasses.replace(config, measure=True, recalibrate=False, estimate_speed=False)
+    bal = SequenceBalancer(cfg)
+    records: list = []
+    bal.on_step(records.append)
+    out = []
+    for step in EVAL_STEPS:
+        records.clear()
+        for _ in range(EVAL_REPEATS):
+            _train_step(model, bal, rank, world, step, slow_rank)
+        bal.flush()
+        t = np.min([r.measured_s for r in records], axis=0)
+        out.append(float(t.max() / t.mean() - 1.0))
+    return float(np.mean(out))
 
 
 def check_recalibration(rank: int, world: int, steps: int) -> dict:
     """Three runs on the same batches: γ 10× too large with online recalibration, the offline
-    calibrated profile, and (one rank twice as slow) online with speed estimation vs offline."""
+    calibrated profile, and (one rank twice as slow) online with speed estimation vs offline;
+    then each run's final settings are evaluated on held-out batches (:func:`evaluate`)."""
+    from knapformer.testing import keep_freed_memory
+
+    keep_freed_memory()  # page faults of re-grown buffers otherwise add spikes to a rank's CPU time
     profile = WorkloadModel.from_profile(PROFILE)
     wrong = WorkloadModel(d_model=64, gamma=10 * profile.gamma_equivalent, num_layers=CFG.num_layers)
-    return {
-        "online": run_loop(rank, world, wrong, steps, slow_rank=None, recalibrate=True),
-        "offline": run_loop(rank, world, profile, steps, slow_rank=None),
-        "slow_online": run_loop(
-            rank, world, profile, steps, slow_rank=world - 1, recalibrate=True, estimate_speed=True
-        ),
-        "slow_offline": run_loop(rank, world, profile, steps, slow_rank=world - 1),
+    runs = {
+        "online": (wrong, None, {"recalibrate": True}),
+        "offline": (profile, None, {}),
+        "slow_online": (profile, world - 1, {"recalibrate": True, "estimate_speed": True}),
+        "slow_offline": (profile, world - 1, {}),
     }
+    out = {}
+    for name, (cost, slow, settings) in runs.items():
+        records, final = run_loop(rank, world, cost, steps, slow_rank=slow, **settings)
+        out[name] = records
+        out[name + "_eval"] = evaluate(rank, world, final, slow_rank=slow)
+    return out
 
 
 def count_collectives(rank: int, world: int, measure: bool) -> dict:

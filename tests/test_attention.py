@@ -49,3 +49,53 @@ def test_cu_seqlens_must_cover_every_token():
     q = torch.zeros(5, 1, 2)
     with pytest.raises(ValueError, match="covers 4 tokens but q has 5"):
         varlen_attention(q, q, q, torch.tensor([0, 1, 4]), 3, backend="sdpa")
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_cross_attention_matches_reference(kv_heads):
+    """Queries of sequence i attend only to context i (q lengths != kv lengths), GQA/MQA, a
+    sequence with no queries and one with an empty context (zeros); gradients too."""
+    from knapformer.attention import varlen_cross_attention
+    from knapformer.testing import reference_cross_attention
+
+    g = torch.Generator().manual_seed(0)
+    q_lens, kv_lens = [5, 0, 3, 7], [4, 6, 0, 9]
+    q = torch.randn(sum(q_lens), 4, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(sum(kv_lens), kv_heads, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(sum(kv_lens), kv_heads, 6, generator=g, dtype=torch.float64, requires_grad=True)
+
+    def cu(lens):
+        return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+
+    out = varlen_cross_attention(q, k, v, cu(q_lens), cu(kv_lens), backend="sdpa")
+    ref = reference_cross_attention(q, k, v, q_lens, kv_lens)
+    assert torch.allclose(out, ref, atol=1e-12)
+    assert torch.equal(out[5:8], torch.zeros(3, 4, 6, dtype=torch.float64))  # empty context -> zeros
+    w = torch.randn_like(out)
+    grads = torch.autograd.grad((out * w).sum(), (q, k, v))
+    ref_grads = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(grads, ref_grads))
+
+
+def test_cross_attention_bad_bounds():
+    from knapformer.attention import varlen_cross_attention
+
+    q, k = torch.randn(4, 2, 8), torch.randn(3, 2, 8)
+    with pytest.raises(ValueError, match="same number of sequences"):
+        varlen_cross_attention(q, k, k, torch.tensor([0, 4]), torch.tensor([0, 1, 3]))
+    with pytest.raises(ValueError, match="covers 3 queries"):
+        varlen_cross_attention(q, k, k, torch.tensor([0, 3]), torch.tensor([0, 3]))
+    with pytest.raises(ValueError, match="unknown cross-attention backend"):
+        varlen_cross_attention(q, k, k, torch.tensor([0, 4]), torch.tensor([0, 3]), backend="sdpa_mask")
+
+
+def test_cross_attention_keeps_empty_contexts_in_the_graph():
+    """Every query's context empty: the output is zeros but k/v still get (zero) gradients, so a
+    rank whose k/v came from a collective joins its backward."""
+    from knapformer.attention import varlen_cross_attention
+
+    q = torch.randn(3, 2, 4, requires_grad=True)
+    k = torch.randn(0, 2, 4, requires_grad=True)
+    out = varlen_cross_attention(q, k, k, torch.tensor([0, 3]), torch.tensor([0, 0]))
+    out.sum().backward()
+    assert k.grad is not None and torch.equal(out, torch.zeros(3, 2, 4))

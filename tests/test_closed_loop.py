@@ -2,11 +2,12 @@
 reports telemetry; with timing off it adds no collective.
 
 The model trained is the reference Transformer (transformer-tiny's size) under layout g1
-(whole sequences, so the cost model alone decides the balance). Thresholds: after 7 timed
+(whole sequences, so the cost model alone decides the balance). Thresholds: after 12 timed
 steps the online model predicts each rank's measured time to ≤ 10% (median over ranks of the
-last steps), and balances no worse than the offline calibrated profile; on this shared 2-core
-VM measured imbalance varies by ±0.05 between identical steps, so the comparison averages the
-last steps and allows 0.02 on 2 ranks, 0.05 on 4 ranks (which time-share the cores).
+last 5 steps), and its final model and speeds balance held-out batches no worse than the
+offline calibrated profile + 0.02 (measured imbalance; each held-out plan run 3 times and each
+rank's minimum kept, since this VM's vCPUs drift ±13% and single steps spike — measured per
+step, identical steps differ by ±0.05).
 """
 
 import numpy as np
@@ -23,28 +24,27 @@ def _median_error(records) -> float:
     return float(np.median([e for r in records[-LAST:] for e in r["prediction_errors"]]))
 
 
-def _mean_imbalance(records) -> float:
-    return float(np.mean([r["measured_imbalance"] for r in records[-LAST:]]))
-
-
-@pytest.mark.parametrize("world, margin", [(2, 0.02), (4, 0.05)])
+@pytest.mark.parametrize("world, margin", [(2, 0.02), (4, 0.02)])
 def test_online_recalibration_from_a_wrong_gamma_and_a_slow_rank(world, margin):
     res = run_distributed(W.check_recalibration, world, STEPS, timeout=600)
     first = res[0]
-    for run in first:
+    for run in ("online", "offline", "slow_online", "slow_offline"):
         # every rank holds the identical model every step
         for i in range(len(first[run])):
             assert len({r[run][i]["digest"] for r in res}) == 1, (run, i)
         assert len(first[run]) == STEPS  # one record per step (the last completed by flush)
     # γ 10x too large: the online model learns the real costs, and balances like the profile
     assert _median_error(first["online"]) <= 0.10, [r["prediction_errors"] for r in first["online"][-LAST:]]
-    assert _mean_imbalance(first["online"]) <= _mean_imbalance(first["offline"]) + margin
+    assert first["online_eval"] <= first["offline_eval"] + margin, (first["online_eval"], first["offline_eval"])
     # one rank twice as slow: its speed is estimated and it gets less work
     speeds = first["slow_online"][-1]["rank_speed"]
     assert speeds[world - 1] < 0.8 * min(speeds[: world - 1]), speeds
     assert _median_error(first["slow_online"]) <= 0.10
-    assert _mean_imbalance(first["slow_online"]) <= _mean_imbalance(first["slow_offline"]) + margin
-    assert _mean_imbalance(first["slow_online"]) < _mean_imbalance(first["slow_offline"])
+    assert first["slow_online_eval"] <= first["slow_offline_eval"] + margin
+    assert first["slow_online_eval"] < 0.5 * first["slow_offline_eval"], (
+        first["slow_online_eval"],
+        first["slow_offline_eval"],
+    )
 
 
 @pytest.mark.parametrize("world", [2])

@@ -42,10 +42,12 @@ from knapformer.attention import varlen_attention
 from knapformer.config import BalancerConfig
 from knapformer.distributed import ops, ulysses
 from knapformer.distributed.agree import agree, digest62, group_device
+from knapformer.distributed.context import build_context_route
 from knapformer.distributed.errors import BalancerConfigError, BalancerInputError, PlanMismatchError
 from knapformer.distributed.spec import RouteSpec, build_route_spec
 from knapformer.distributed.timing import StepTimer
 from knapformer.layout import AutoLayout, BagLayout
+from knapformer.models.executor import RoutedContext, context_problem, cross_attend, cross_problem, routed_context
 from knapformer.plan import Plan, PlanProblem, get_solver
 from knapformer.plan.online import Observation, OnlineFit
 from knapformer.plan.problem import ValidLens, validate_lengths
@@ -275,7 +277,7 @@ class SequenceBalancer:
             coefficients={
                 "linear": model.linear_coef,
                 "quadratic": model.quad_coef,
-                "per_seq": model.per_seq,
+                "per_seq": model.per_seq_coef,
                 "units": model.meta.get("units", "cost units"),
             },
             rank_speed=list(cfg.rank_speed) if cfg.rank_speed is not None else None,
@@ -532,6 +534,45 @@ class SequenceBalancer:
         counts = plan.index.counts.tolist()
         self._check_rows(per_seq, counts[self.group_rank], "gather_sequences")
         return tuple(ops.gather_sequences(per_seq, counts, self.group_rank, self.group))
+
+    def route_context(self, context: torch.Tensor, lens: Sequence[int]) -> RoutedContext:
+        """Send each local sequence's context (``lens[i]`` rows of ``context`` for local
+        sequence i, e.g. its embedded text) to every rank of the group that holds queries of
+        that sequence, once per step; every layer's :meth:`cross_attention` reuses the result.
+        Differentiable (a context sent to several ranks gets the sum of their gradients).
+        Collectives: the agreement flag, a gather of the lengths, and one all-to-all unless
+        every context stays on its own rank."""
+        plan, spec = self._require_spec()
+        n_local = len(plan.seq_lens[self.group_rank])
+        error = context_problem(context, lens, n_local)
+        sig = f"{context.dtype}{tuple(context.shape[1:])}" if not error else "?"
+        self._agree("route_context", error, context_dtype_and_shape=sig)
+        device = group_device(self.group)
+        mine = torch.tensor([int(n) for n in lens], dtype=torch.int64, device=device)
+        counts = plan.index.counts.tolist()
+        all_lens = ops.gather_sequences([mine], counts, self.group_rank, self.group)[0].cpu().numpy()
+        route = build_context_route(plan, self.group_rank, all_lens)
+        rows = context.index_select(0, torch.from_numpy(route.send_rows).to(context.device))
+        if route.moves:
+            rows = ops.all_to_all(rows, route.send_splits, route.recv_splits, self.group)
+        seq_id = spec.indices_on(context.device)["routed_seq_id"]
+        return routed_context(rows, torch.from_numpy(route.seq_ids), route.lens.tolist(), seq_id)
+
+    def cross_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: RoutedContext
+    ) -> torch.Tensor:
+        """Cross-attention of routed queries q (R, h, D) over their own sequence's context:
+        k (M, h_kv, D), v (M, h_kv, Dv) projected from ``context.rows`` -> (R, h, Dv). Local:
+        each rank computes all heads for the queries it holds (no exchange). A bad shape on
+        one rank is raised on every rank at the next agreement point (zeros meanwhile)."""
+        _, spec = self._require_spec()
+        error = cross_problem(q, k, v, context, spec.num_routed)
+        if error and all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (q, v)):
+            self._pending = self._pending or f"cross_attention on rank {self.group_rank}: {error}"
+            return q.new_zeros((q.shape[0], q.shape[1], v.shape[2])) + 0 * q.sum()
+        if error:
+            raise ValueError(f"cross_attention: {error}")
+        return cross_attend(q, k, v, context, self.config.attn_backend)
 
     def routed_positions(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Per routed token: global sequence id in the group (rank-major) and position (int64)."""

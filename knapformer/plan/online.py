@@ -129,6 +129,8 @@ class OnlineFit:
             linear=_round(coef[0] / layers),
             quadratic=_round(coef[1] / layers),
             per_seq=_round(coef[2] / layers),
+            context_len=0,  # the fit's coefficients already hold the cross-attention term
+            cross=None,
             gamma=1.0,
             meta={
                 **self.prior.meta,
@@ -142,7 +144,10 @@ class OnlineFit:
     def _solve(self, X: np.ndarray, y: np.ndarray, w: np.ndarray, speed: np.ndarray) -> np.ndarray:
         """Non-negative relative least squares with a ridge towards the rescaled prior."""
         A = np.concatenate([X / speed[:, None], np.ones((X.shape[0], 1))], axis=1)
-        p = np.asarray([self.prior.linear_coef, self.prior.quad_coef, self.prior.per_seq, 0.0]) * self.prior.num_layers
+        p = (
+            np.asarray([self.prior.linear_coef, self.prior.quad_coef, self.prior.per_seq_coef, 0.0])
+            * self.prior.num_layers
+        )
         pred_prior = A @ p
         scale = float(np.sum(w * pred_prior * y / y**2) / max(np.sum(w * pred_prior**2 / y**2), 1e-300))
         target = p * scale  # the prior in seconds

@@ -39,7 +39,7 @@ def _shares(plan: Plan):
         for m in members:
             n = held.get((g, m), 0)
             if model is not None:
-                cost = float(model.lin(n) + model.quad(L[g]) / k + model.per_seq)
+                cost = float(model.lin(n) + model.quad(L[g]) / k + model.per_seq_coef)
             else:  # an old plan file without its model: tokens as the measure
                 cost = float(n)
             out.append((m, g, cost, m == int(index.src_rank[g]), k))

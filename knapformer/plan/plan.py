@@ -111,7 +111,7 @@ class RankFeatures:
 
     def cost(self, model: WorkloadModel) -> np.ndarray:
         """(S,) predicted work under ``model`` (same units as ``model.cost``)."""
-        return model.linear_coef * self.tokens + model.quad_coef * self.attn + model.per_seq * self.seqs
+        return model.linear_coef * self.tokens + model.quad_coef * self.attn + model.per_seq_coef * self.seqs
 
 
 def rank_features(index: SeqIndex, groups, seq_group: np.ndarray, chunks: np.ndarray) -> RankFeatures:

@@ -353,5 +353,5 @@ def moldable_lower_bound(problem: PlanProblem, degrees) -> float:
     for k in sorted(set(int(k) for k in degrees)):
         comm = member_comm_lower(L, k, model, link) if link is not None else 0.0
         np.minimum(best, (model.chunk_cost(-(-L // k), L, k) + comm) / fastest, out=best)
-        np.minimum(total, model.cost(L) + (k - 1) * model.per_seq + k * comm, out=total)
+        np.minimum(total, model.cost(L) + (k - 1) * model.per_seq_coef + k * comm, out=total)
     return max(float(total.sum() / problem.speed.sum()), float(best.max()))

@@ -1,9 +1,16 @@
 """Test helpers shipped with the package: a multi-process spawner and single-process references.
 
-Main API: :func:`run_distributed`, :func:`reference_attention`.
+Main API: :func:`run_distributed`, :func:`reference_attention`, :func:`reference_cross_attention`.
 """
 
 from knapformer.testing.dist import free_port, keep_freed_memory, pin_to_core, run_distributed
-from knapformer.testing.reference import reference_attention
+from knapformer.testing.reference import reference_attention, reference_cross_attention
 
-__all__ = ["free_port", "keep_freed_memory", "pin_to_core", "reference_attention", "run_distributed"]
+__all__ = [
+    "free_port",
+    "keep_freed_memory",
+    "pin_to_core",
+    "reference_attention",
+    "reference_cross_attention",
+    "run_distributed",
+]

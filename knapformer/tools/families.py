@@ -9,6 +9,7 @@ Every adapter follows the one integration seam: the caller plans the step once w
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -19,6 +20,7 @@ import torch.nn as nn
 
 from knapformer.data.batches import Batch
 from knapformer.integrations.diffusers import DiffusersFluxConfig
+from knapformer.integrations.wan import DiffusersWanConfig
 from knapformer.model_configs import MMDiTConfig, TransformerConfig
 from knapformer.models import MMDiT, Transformer
 from knapformer.models.executor import LocalExecutor, TokenExecutor, local_positions
@@ -161,6 +163,64 @@ class DiffusersFluxFamily(Family):
         return packed_flux_forward(core, inputs.args, executor).flat
 
 
+class DiffusersWanFamily(Family):
+    name = "diffusers-wan"
+
+    def build(self, cfg) -> nn.Module:
+        from knapformer.integrations.wan import build_wan
+
+        return build_wan(cfg)
+
+    def inputs(self, batch, cfg):
+        """Wan samples of a batch (visual rows as videos, text rows as text) and the targets of
+        their video rows (text is context, not output)."""
+        from knapformer.integrations.wan import samples_from_batch
+
+        samples = samples_from_batch(batch, cfg, seed=0)
+        lens = [int(math.prod(s.latents.shape[1:])) // math.prod(cfg.patch_size) for s in samples]
+        rows, start = [], 0
+        for n, t, v in zip(batch.seq_lens, batch.txt_lens.tolist(), lens):
+            rows.append(batch.target[start + t : start + t + v] if n > t else batch.target.new_zeros(1, cfg.out_dim))
+            start += n
+        target = torch.cat(rows) if rows else batch.target[:0]
+        return StepInputs(seq_lens=lens, args=samples, target=target)
+
+    def forward(self, model, inputs, executor):
+        from knapformer.integrations.wan import packed_wan_forward
+
+        core = getattr(model, "module", model)
+        return packed_wan_forward(core, inputs.args, executor).flat
+
+    def blocks(self, cfg, device, dtype, causal):
+        """One stock ``WanTransformerBlock`` on packed tokens of the given lengths, each sequence
+        cross-attending to ``cfg.context_len`` text tokens (what the planner's term assumes)."""
+        if causal:
+            raise ValueError("--causal applies to the transformer presets only (Wan attention is bidirectional)")
+        from knapformer.integrations.wan import _CrossPacked, _rope_tables, _SelfPacked, build_wan, prepare_wan
+
+        model = build_wan(replace(cfg, num_layers=1)).to(device)
+        if dtype != torch.float32:  # (a dtype argument, even float32, makes diffusers warn)
+            model = model.to(dtype)
+        prepare_wan(model)
+        block = model.blocks[0]
+
+        def make(seq_lens, backward):
+            ex = LocalExecutor(seq_lens)
+            T, D = sum(seq_lens), cfg.dim
+            x = torch.randn(1, T, D, device=device, dtype=dtype, requires_grad=backward)
+            temb = torch.randn(1, T, 6, D, device=device, dtype=dtype)
+            ctx = torch.randn(cfg.context_len * len(seq_lens), D, device=device, dtype=dtype)
+            text = ex.route_context(ctx, [cfg.context_len] * len(seq_lens))
+            _, pos = local_positions(seq_lens, device)
+            grid = torch.stack([pos // 4096, (pos // 64) % 64, pos % 64], dim=1)
+            cos, sin = _rope_tables(model, grid)
+            cross = _CrossPacked(executor=ex, text=text, image=None)
+            selfp = _SelfPacked(executor=ex, cos=cos, sin=sin)
+            return _runner(lambda: block(x, cross, temb, selfp), backward)
+
+        return [("wan", cfg.num_layers, make)]
+
+
 def family_for(cfg: Any) -> Family:
     """The adapter of a model config (reference presets and integration configs)."""
     if isinstance(cfg, MMDiTConfig):
@@ -169,4 +229,6 @@ def family_for(cfg: Any) -> Family:
         return TransformerFamily()
     if isinstance(cfg, DiffusersFluxConfig):
         return DiffusersFluxFamily()
+    if isinstance(cfg, DiffusersWanConfig):
+        return DiffusersWanFamily()
     raise ValueError(f"no model family for config {type(cfg).__name__}")

@@ -12,6 +12,7 @@ __all__ = ["preset", "preset_names"]
 
 _INTEGRATION_PRESETS: dict[str, tuple[str, str]] = {
     "diffusers-flux-tiny": ("knapformer.integrations.diffusers", "DiffusersFluxConfig"),
+    "diffusers-wan-tiny": ("knapformer.integrations.wan", "DiffusersWanConfig"),
 }
 """name -> (module, config class); the class's defaults are the preset."""
 

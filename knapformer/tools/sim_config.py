@@ -113,6 +113,8 @@ class SimConfig:
                 raise ValueError(f"profile d_model {cost.d_model} does not match model {self.model!r} (dim {mcfg.dim})")
             if cost.num_heads is None:
                 cost = dataclasses.replace(cost, **heads)
+        elif hasattr(mcfg, "workload"):  # a family with its own cost form (e.g. Wan's cross-attention)
+            cost = mcfg.workload(gamma=self.gamma)
         else:
             cost = WorkloadModel(d_model=mcfg.dim, gamma=self.gamma, num_layers=mcfg.num_layers, **heads)
         link = None

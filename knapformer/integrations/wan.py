@@ -1,0 +1,466 @@
+"""Packed, variable-length (and balanced) forward of a stock diffusers ``WanTransformer3DModel``.
+
+    from knapformer.integrations.wan import WanSample, packed_wan_forward, wan_seq_lens
+    bal.plan(wan_seq_lens(model, samples))              # once per step: video tokens per sample
+    outs = packed_wan_forward(model, samples, bal)       # list of (C_out, F, H, W) tensors
+
+Each sample brings its own frame count, resolution, text (any length, no padding), timestep
+(one, or one per video token as Wan 2.2 TI2V uses) and, for I2V models, its image context.
+The model's own modules and weights do all the math; nothing is patched globally. How:
+
+- **Patch embedding per sample** (the model's ``Conv3d`` on each ``(1, C, F, H, W)``), then the
+  video tokens of all samples are one packed stream ``[1, T, D]``; a ``SequenceBalancer``
+  routes them (with their integer (frame, row, column) grid positions) right after it.
+- **3-D RoPE after routing**: each routed token's cos/sin rows are looked up in the model's
+  own ``rope`` buffers at its grid position (what the stock ``WanRotaryPosEmbed`` computes
+  for the whole grid), so no per-token float tables travel.
+- **Per-token modulation through the stock path**: Wan blocks accept a per-token
+  ``temb`` ``[1, T, 6, D]`` (the Wan 2.2 TI2V form). The time embedding runs once per sample
+  (or per token for per-token timesteps) and is expanded to the routed tokens by index; the
+  adds/multiplies this costs are elementwise (no extra matmul), but the per-token shift/scale
+  tensors the blocks keep for backward are (T, D) instead of (1, D) — about 4·T·D fp32 values
+  per block (recomputed instead with gradient checkpointing).
+- **Self-attention** (``attn1``): a per-instance processor (:class:`PackedWanAttnProcessor`)
+  computes q/k/v with the stock projections and norms, applies Wan's RoPE, and attends within
+  each sample through ``executor.attention`` (Ulysses inside the sample's group, any degree).
+- **Cross-attention** (``attn2``): each sample's text is embedded once on the rank that loaded
+  it and sent, once per step, only to the ranks holding that sample's tokens
+  (``executor.route_context``); each layer projects the routed text to keys/values and every
+  rank attends its own query tokens to its samples' text with all heads
+  (``executor.cross_attention``, varlen with q lengths ≠ kv lengths, no exchange). I2V's image
+  context takes the same path and its attention is added, as in the stock processor.
+- Blocks always run as their own ``forward`` (FSDP2 per block, ``gradient_checkpointing``);
+  the packed metadata travels in the ``rotary_emb`` and ``encoder_hidden_states`` arguments,
+  so activation-checkpoint recompute sees it.
+
+Without an executor (or with a ``LocalExecutor``) everything runs on this process.
+
+Exactness: the stock model computes its norms and residual adds in fp32 (``FP32LayerNorm``,
+``hidden_states.float()``) even in an fp64 model, so packed and stock agree to fp32 rounding
+(~1e-6 relative), not fp64's.
+
+Importing knapformer never imports diffusers; this module does (diffusers >= 0.35, < 0.43).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from knapformer.integrations.diffusers import require_diffusers
+from knapformer.models.executor import LocalExecutor, RoutedContext, TokenExecutor
+from knapformer.workload import WorkloadModel
+
+__all__ = [
+    "DiffusersWanConfig",
+    "PackedWanAttnProcessor",
+    "PackedWanOutput",
+    "WanSample",
+    "build_wan",
+    "packed_wan_forward",
+    "prepare_wan",
+    "samples_from_batch",
+    "wan_grid",
+    "wan_seq_lens",
+    "wan_workload",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiffusersWanConfig:
+    """A randomly initialised diffusers ``WanTransformer3DModel`` (no download); the defaults
+    are the ``diffusers-wan-tiny`` preset (T2V; ``image_dim`` set = I2V)."""
+
+    num_heads: int = 4
+    head_dim: int = 16
+    num_layers: int = 2
+    in_channels: int = 4
+    out_channels: int = 4
+    patch_size: tuple[int, int, int] = (1, 2, 2)
+    text_dim: int = 32
+    freq_dim: int = 32
+    ffn_dim: int = 128
+    image_dim: int | None = None
+    context_len: int = 32
+    """Typical text tokens per sample, for the planner's cross-attention term."""
+
+    @property
+    def dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def in_dim(self) -> int:
+        """Features of one video token before the patch embedding (C·p_t·p_h·p_w)."""
+        return self.in_channels * math.prod(self.patch_size)
+
+    @property
+    def out_dim(self) -> int:
+        return self.out_channels * math.prod(self.patch_size)
+
+    @property
+    def vec_dim(self) -> int:
+        return 1
+
+    def workload(self, gamma: float = 1.0) -> WorkloadModel:
+        return _workload(self.dim, self.ffn_dim, self.num_layers, self.num_heads, self.context_len, gamma)
+
+
+@dataclass
+class WanSample:
+    """One training sample for a Wan model (no batch dimension anywhere)."""
+
+    latents: torch.Tensor  # (C, F, H, W) video latents (an image: F = 1)
+    text: torch.Tensor  # (L_txt, text_dim) text encoder states (unpadded, or padded as you like)
+    timestep: torch.Tensor  # () or (F'·H'·W',) one per video token (Wan 2.2 TI2V), stock units
+    image: torch.Tensor | None = None  # (L_img, image_dim) image encoder states (I2V models)
+
+
+class PackedWanOutput(list):
+    """Per-sample outputs (C_out, F, H, W) in order, plus ``flat``: this rank's outputs as
+    (T, C_out·p_t·p_h·p_w) token rows (sample order, stock token order within a sample). On a
+    rank with no samples ``flat`` is empty but connected to the step's collectives: add
+    ``0 * outs.flat.sum()`` to a loss built from the list so ``backward()`` joins the exchanges."""
+
+    flat: torch.Tensor
+
+
+def _workload(d: int, ffn: int, layers: int, heads: int, context_len: int, gamma: float) -> WorkloadModel:
+    """Per token and layer: self-attention q/k/v/o (4·d²), cross-attention q/o (2·d²) and the
+    FFN (2·d·ffn) multiply-adds, 2 FLOPs each; cross-attention over ``context_len`` tokens."""
+    return WorkloadModel(
+        d_model=d,
+        gamma=gamma,
+        num_layers=layers,
+        num_heads=heads,
+        linear=2.0 * (6.0 * d * d + 2.0 * d * ffn),
+        context_len=context_len,
+    )
+
+
+def wan_workload(model, *, context_len: int = 512, gamma: float = 1.0) -> WorkloadModel:
+    """The planner's cost model of a ``WanTransformer3DModel`` (its width, FFN, layers and
+    heads from ``model.config``); ``context_len`` = text (+ image) tokens per sample (stock Wan
+    pads text to 512; I2V adds 257 image tokens)."""
+    c = model.config
+    d = c.num_attention_heads * c.attention_head_dim
+    return _workload(d, c.ffn_dim, c.num_layers, c.num_attention_heads, context_len, gamma)
+
+
+def build_wan(cfg: DiffusersWanConfig):
+    """Random-init ``WanTransformer3DModel`` for a :class:`DiffusersWanConfig`."""
+    require_diffusers()
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel(
+        patch_size=cfg.patch_size,
+        num_attention_heads=cfg.num_heads,
+        attention_head_dim=cfg.head_dim,
+        in_channels=cfg.in_channels,
+        out_channels=cfg.out_channels,
+        text_dim=cfg.text_dim,
+        freq_dim=cfg.freq_dim,
+        ffn_dim=cfg.ffn_dim,
+        num_layers=cfg.num_layers,
+        image_dim=cfg.image_dim,
+        added_kv_proj_dim=cfg.dim if cfg.image_dim else None,
+    )
+
+
+# -- packed metadata handed to the processors ---------------------------------------------------------
+@dataclass(eq=False)
+class _SelfPacked:
+    """What ``attn1`` needs: the executor and the routed tokens' RoPE tables (T, 1, Dh)."""
+
+    executor: TokenExecutor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+@dataclass(eq=False)
+class _CrossPacked:
+    """What ``attn2`` needs: the routed text (and image) context of this rank's samples."""
+
+    executor: TokenExecutor
+    text: RoutedContext
+    image: RoutedContext | None
+
+
+def _heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """(1, N, H·Dh) -> (N, H, Dh)."""
+    return t[0].unflatten(-1, (heads, -1))
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Wan's rotary embedding (interleaved pairs) on (N, H, Dh) with (N, 1, Dh) tables."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    c, s = cos[..., 0::2], sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * c - x2 * s
+    out[..., 1::2] = x1 * s + x2 * c
+    return out.type_as(x)
+
+
+def _kv(attn, rows: torch.Tensor, added: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of context rows with the module's own (possibly fused) projections."""
+    if added:
+        if getattr(attn, "fused_projections", False):
+            return attn.to_added_kv(rows).chunk(2, dim=-1)
+        return attn.add_k_proj(rows), attn.add_v_proj(rows)
+    if getattr(attn, "fused_projections", False):
+        return attn.to_kv(rows).chunk(2, dim=-1)
+    return attn.to_k(rows), attn.to_v(rows)
+
+
+class PackedWanAttnProcessor:
+    """Wan attention over packed ``[1, T, D]`` tokens; stock behaviour when not packed."""
+
+    def __init__(self) -> None:
+        from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+        self._stock = WanAttnProcessor()
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        if isinstance(rotary_emb, _SelfPacked):
+            return self._self(attn, hidden_states, rotary_emb)
+        if isinstance(encoder_hidden_states, _CrossPacked):
+            return self._cross(attn, hidden_states, encoder_hidden_states)
+        return self._stock(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
+
+    @staticmethod
+    def _self(attn, hidden_states, packed: _SelfPacked):
+        if getattr(attn, "fused_projections", False):
+            q, k, v = attn.to_qkv(hidden_states).chunk(3, dim=-1)
+        else:
+            q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+        q, k = attn.norm_q(q), attn.norm_k(k)
+        q, k, v = (_heads(t, attn.heads) for t in (q, k, v))
+        q, k = _rope(q, packed.cos, packed.sin), _rope(k, packed.cos, packed.sin)
+        o = packed.executor.attention(q, k, v).flatten(1, 2)[None].type_as(q)
+        return attn.to_out[1](attn.to_out[0](o))
+
+    @staticmethod
+    def _cross(attn, hidden_states, packed: _CrossPacked):
+        q = attn.norm_q(attn.to_q(hidden_states))
+        q = _heads(q, attn.heads)
+        k, v = _kv(attn, packed.text.rows)
+        k = attn.norm_k(k)
+        k, v = k.unflatten(-1, (attn.heads, -1)), v.unflatten(-1, (attn.heads, -1))
+        o = packed.executor.cross_attention(q, k, v, packed.text).type_as(q)
+        if attn.add_k_proj is not None:
+            if packed.image is None:
+                raise ValueError("this Wan model has image cross-attention (I2V): every WanSample needs an image")
+            ki, vi = _kv(attn, packed.image.rows, added=True)
+            ki = attn.norm_added_k(ki)
+            ki, vi = ki.unflatten(-1, (attn.heads, -1)), vi.unflatten(-1, (attn.heads, -1))
+            o = o + packed.executor.cross_attention(q, ki, vi, packed.image).type_as(q)
+        o = o.flatten(1, 2)[None]
+        return attn.to_out[1](attn.to_out[0](o))
+
+
+def prepare_wan(model) -> None:
+    """Install the packed processor on this model instance's attention modules (checked every
+    call: one replaced since, e.g. by ``set_attn_processor``, gets it again)."""
+    require_diffusers()
+    proc = None
+    for block in model.blocks:
+        for attn in (block.attn1, block.attn2):
+            if not isinstance(attn.processor, PackedWanAttnProcessor):
+                proc = proc or PackedWanAttnProcessor()
+                attn.set_processor(proc)
+
+
+# -- shapes ------------------------------------------------------------------------------------------
+def _post_patch(model, latents: torch.Tensor) -> tuple[int, int, int]:
+    p = model.config.patch_size
+    if latents.dim() != 4:
+        raise ValueError(f"WanSample.latents must be (C, F, H, W), got shape {tuple(latents.shape)}")
+    C, F, H, W = latents.shape
+    if C != model.config.in_channels:
+        raise ValueError(f"latents have {C} channels, the model takes {model.config.in_channels}")
+    if F % p[0] or H % p[1] or W % p[2] or min(F, H, W) == 0:
+        raise ValueError(f"latents (F, H, W) = {(F, H, W)} must be positive multiples of the patch size {tuple(p)}")
+    return F // p[0], H // p[1], W // p[2]
+
+
+def wan_seq_lens(model, samples: Sequence[WanSample]) -> list[int]:
+    """Video tokens of each sample (F'·H'·W' after patching): the lengths to plan with."""
+    return [math.prod(_post_patch(model, s.latents)) for s in samples]
+
+
+def wan_grid(tokens: int, max_side: int = 1024) -> tuple[int, int, int]:
+    """A (frames, height, width) token grid of at most ``tokens`` cells (exactly, when a
+    near-square factorisation with every side below ``max_side`` exists; else the largest
+    count below that has one), for synthetic samples."""
+    for n in range(max(int(tokens), 1), 0, -1):
+        for h in range(math.isqrt(n), 0, -1):
+            if n % h:
+                continue
+            rest = n // h
+            w = next((w for w in range(min(rest, max_side - 1), 0, -1) if rest % w == 0), 1)
+            if rest // w < max_side and w <= 4 * h + 4:
+                return rest // w, h, w
+    raise ValueError(f"no (F, H, W) token grid for {tokens} tokens")
+
+
+def samples_from_batch(batch, cfg: DiffusersWanConfig, *, seed: int) -> list[WanSample]:
+    """Wan samples from a synthetic :class:`~knapformer.data.batches.Batch`: each sequence's
+    first visual rows become a video (``wan_grid``: its F'·H'·W' tokens are the visual rows, or
+    the most of them a grid fits), its text rows random text states."""
+    out, start = [], 0
+    g = torch.Generator().manual_seed(seed)
+    pt, ph, pw = cfg.patch_size
+    for n, t, ts in zip(batch.seq_lens, batch.txt_lens.tolist(), batch.t):
+        v = n - t
+        f, h, w = wan_grid(max(v, 1))
+        rows = batch.x[start + t : start + t + f * h * w, : cfg.in_dim]
+        if v == 0:
+            rows = batch.x.new_zeros(1, cfg.in_dim)
+        lat = rows.reshape(f, h, w, pt, ph, pw, cfg.in_channels).permute(6, 0, 3, 1, 4, 2, 5)
+        lat = lat.reshape(cfg.in_channels, f * pt, h * ph, w * pw)
+        text = torch.randn(t, cfg.text_dim, generator=g).to(batch.x.dtype)
+        image = torch.randn(257, cfg.image_dim, generator=g).to(batch.x.dtype) if cfg.image_dim else None
+        out.append(WanSample(latents=lat, text=text, timestep=ts * 1000, image=image))
+        start += n
+    return out
+
+
+# -- forward -------------------------------------------------------------------------------------------
+def _time_embed(model, timesteps: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The condition embedder's time path: (N,) timesteps -> temb (N, D), projection (N, 6, D)."""
+    ce = model.condition_embedder
+    t = ce.timesteps_proj(timesteps)
+    dtype = next(iter(ce.time_embedder.parameters())).dtype
+    if t.dtype != dtype and dtype != torch.int8:
+        t = t.to(dtype)
+    temb = ce.time_embedder(t).type_as(like)
+    return temb, ce.time_proj(ce.act_fn(temb)).unflatten(1, (6, -1))
+
+
+def _embed_image(model, image: torch.Tensor) -> torch.Tensor:
+    """One sample's image context (L_img, image_dim) -> (L_img, D) with the stock embedder. With
+    a learned position table (first/last-frame models) the stock batch holds each sample's two
+    images as two rows that the embedder joins; a sample's (2·L, dim) is split back into them."""
+    ie = model.condition_embedder.image_embedder
+    if ie.pos_embed is not None:
+        return ie(image.unflatten(0, (2, -1)))[0]
+    return ie(image[None])[0]
+
+
+def _grid_positions(f: int, h: int, w: int, device) -> torch.Tensor:
+    """(f·h·w, 3) int64 (frame, row, column) of each token in stock flatten order."""
+    ff, hh, ww = torch.meshgrid(
+        torch.arange(f, device=device), torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij"
+    )
+    return torch.stack([ff, hh, ww], dim=-1).reshape(-1, 3)
+
+
+def _rope_tables(model, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE cos/sin (T, 1, Dh) of tokens at grid positions ``pos`` from the model's buffers."""
+    rope = model.rope
+    if pos.numel() and int(pos.max()) >= rope.max_seq_len:
+        raise ValueError(f"a video side of {int(pos.max()) + 1} tokens exceeds the RoPE table ({rope.max_seq_len})")
+    sizes = [rope.t_dim, rope.h_dim, rope.w_dim]
+    cos = [c.index_select(0, pos[:, i]) for i, c in enumerate(rope.freqs_cos.split(sizes, dim=1))]
+    sin = [s.index_select(0, pos[:, i]) for i, s in enumerate(rope.freqs_sin.split(sizes, dim=1))]
+    return torch.cat(cos, dim=1)[:, None], torch.cat(sin, dim=1)[:, None]
+
+
+def _checked(model, samples: Sequence[WanSample]) -> None:
+    cfg = model.config
+    i2v = cfg.added_kv_proj_dim is not None
+    for i, s in enumerate(samples):
+        if s.text.dim() != 2 or s.text.shape[1] != cfg.text_dim:
+            raise ValueError(f"sample {i}: text must be (L_txt, {cfg.text_dim}), got {tuple(s.text.shape)}")
+        if i2v and s.image is None:
+            raise ValueError(f"sample {i}: this Wan model has image cross-attention (I2V) and needs WanSample.image")
+        if not i2v and s.image is not None:
+            raise ValueError(f"sample {i}: an image context was given but this Wan model has no image cross-attention")
+        n = math.prod(_post_patch(model, s.latents))
+        t = torch.as_tensor(s.timestep)
+        if t.numel() not in (1, n):
+            raise ValueError(f"sample {i}: timestep must be a scalar or one per video token ({n}), got {t.numel()}")
+
+
+def packed_wan_forward(model, samples: Sequence[WanSample], executor: TokenExecutor | None = None) -> PackedWanOutput:
+    """Outputs (C_out, F, H, W) for each sample, in order; differentiable.
+
+    ``executor`` is a ``SequenceBalancer`` already planned for this step with
+    ``wan_seq_lens(model, samples)`` (every rank of the group calls this function), a
+    ``LocalExecutor``, or None (everything on this process)."""
+    prepare_wan(model)
+    _checked(model, samples)
+    cfg = model.config
+    device = model.patch_embedding.weight.device
+    dtype = model.patch_embedding.weight.dtype
+    D = cfg.num_attention_heads * cfg.attention_head_dim
+    grids = [_post_patch(model, s.latents) for s in samples]
+    lens = [math.prod(g) for g in grids]
+    # 1. per-sample patch embedding (an empty rank runs it on one empty patch: params get grads)
+    if samples:
+        emb = [model.patch_embedding(s.latents[None].to(device, dtype)).flatten(2)[0].T for s in samples]
+        x_local = torch.cat(emb)
+        pos_local = torch.cat([_grid_positions(*g, device) for g in grids])
+    else:
+        empty = torch.zeros((0, cfg.in_channels, *cfg.patch_size), device=device, dtype=dtype)
+        x_local = model.patch_embedding(empty).flatten(2).transpose(1, 2).reshape(0, D)
+        pos_local = torch.zeros(0, 3, dtype=torch.int64, device=device)
+    per_token = any(torch.as_tensor(s.timestep).numel() > 1 for s in samples)
+    ex = executor if executor is not None else LocalExecutor(lens)
+    # 2. route tokens (and their grid positions, and per-token timesteps if any)
+    if per_token:
+        ts = torch.cat([torch.as_tensor(s.timestep).reshape(-1).expand(n) for s, n in zip(samples, lens)])
+        x, pos, ts_r = ex.route(x_local, pos_local, ts.to(device, torch.float64), seq_lens=lens)
+    else:
+        x, pos = ex.route(x_local, pos_local, seq_lens=lens)
+    seq_id, _ = ex.routed_positions(device)
+    # 3. conditioning: time embedding per sample (or per token), text/image embedded at home
+    text_local = torch.cat([s.text for s in samples]).to(device, dtype) if samples else torch.zeros(0, cfg.text_dim)
+    text_local = model.condition_embedder.text_embedder(text_local.to(device, dtype)[None])[0]
+    if per_token:
+        temb, tproj = _time_embed(model, ts_r, text_local)
+    else:
+        ts = torch.stack([torch.as_tensor(s.timestep).reshape(()) for s in samples]) if samples else torch.zeros(0)
+        temb_s, tproj_s = _time_embed(model, ts.to(device), text_local)
+        temb_all, tproj_all = ex.gather_sequences(temb_s, tproj_s)
+        temb, tproj = temb_all.index_select(0, seq_id), tproj_all.index_select(0, seq_id)
+    text = ex.route_context(text_local, [int(s.text.shape[0]) for s in samples])
+    image = None
+    if cfg.added_kv_proj_dim is not None:
+        imgs = [_embed_image(model, s.image.to(device, dtype)) for s in samples]
+        if imgs:
+            img_local = torch.cat(imgs)
+        else:  # run the embedder on a stand-in so its parameters join the backward
+            pairs = model.condition_embedder.image_embedder.pos_embed is not None
+            stand_in = torch.zeros(2 if pairs else 1, cfg.image_dim, device=device, dtype=dtype)
+            img_local = _embed_image(model, stand_in)[:0]
+        image = ex.route_context(img_local, [int(t.shape[0]) for t in imgs])
+    cos, sin = _rope_tables(model, pos)
+    selfp = _SelfPacked(executor=ex, cos=cos, sin=sin)
+    crossp = _CrossPacked(executor=ex, text=text, image=image)
+    # 4. stock blocks over the packed stream [1, R, D] with per-token modulation [1, R, 6, D]
+    h = x[None]
+    tb = tproj[None]
+    for block in model.blocks:
+        if torch.is_grad_enabled() and model.gradient_checkpointing:
+            h = model._gradient_checkpointing_func(block, h, crossp, tb, selfp)
+        else:
+            h = block(h, crossp, tb, selfp)
+    # 5. output head per token (the stock per-token form), back to the caller's order
+    shift, scale = (model.scale_shift_table.unsqueeze(0) + temb[None].unsqueeze(2)).chunk(2, dim=2)
+    h = (model.norm_out(h.float()) * (1 + scale.squeeze(2)) + shift.squeeze(2)).type_as(h)
+    out = ex.reverse_route(model.proj_out(h)[0])
+    result = PackedWanOutput(_unpatchify(out, grids, cfg.patch_size))
+    result.flat = out
+    return result
+
+
+def _unpatchify(rows: torch.Tensor, grids, patch) -> list[torch.Tensor]:
+    pt, ph, pw = patch
+    outs = []
+    for r, (f, h, w) in zip(torch.split(rows, [math.prod(g) for g in grids]) if grids else (), grids):
+        o = r.reshape(f, h, w, pt, ph, pw, -1).permute(6, 0, 3, 1, 4, 2, 5)
+        outs.append(o.reshape(o.shape[0], f * pt, h * ph, w * pw))
+    return outs
