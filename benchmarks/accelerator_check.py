@@ -1,0 +1,449 @@
+"""One prepared accelerator check: CUDA attention backends, the executor on CUDA/NCCL, a measured
+Flux-block profile, the cluster model from it, and an 8-rank CPU run on dedicated cores.
+
+    python benchmarks/accelerator_check.py            # on the GPU machine (≤ 8 minutes)
+    python benchmarks/accelerator_check.py --smoke    # on CPU, well under a minute (CI runs it)
+
+Writes ``runs/accelerator/check.json`` and ``check.txt`` (``--smoke``: ``runs/accelerator/smoke/``),
+and for part 3 ``profiles/<gpu>-flux.json`` + PNG. Each part reports ``ok``, ``failed`` (with
+the error) or ``skipped`` (with the reason, e.g. no CUDA); one failing part does not stop the
+others. Uses whatever torch is installed (CUDA or CPU): run it from the working tree with
+``PYTHONPATH=.`` — it needs numpy and matplotlib; diffusers is not used.
+
+Parts:
+1. attention backends vs the per-sequence reference (bf16 and fp32, causal and not, GQA) and
+   timed on DiT-typical packed batches; the fastest measured backend is reported per batch;
+2. the executor on CUDA tensors in a 1-rank NCCL group: route/reverse round trip, attention and
+   backward equal to local math, host syncs counted per phase (CUDA sync debug mode);
+3. ``knapformer calibrate`` of the ``flux`` preset's double and single blocks (bf16 on CUDA);
+4. ``knapformer cluster`` for paper-mixres and paper-joint at 32 and 1,024 GPUs from that
+   profile, next to the paper's 32-H100 g8n4 figures (8.05 s -> 3.44 s);
+5. ``knapformer simulate`` with 8 gloo CPU ranks, one core each (wall clock meaningful), on an
+   8-rank mix with paper-mixres's proportions, with and without balancing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+PAPER_32_H100_G8N4 = {"none_s": 8.05, "g8n4_s": 3.44, "speedup": 8.05 / 3.44}
+"""KnapFormer paper: Flux, paper-joint, 32 H100s, step time without and with g8n4 balancing."""
+MIXRES_8 = "g4b4i256f1s0,g1b5i512f1s0,g1b5i1024f1s0,g2b1i2048f1s0"
+"""paper-mixres (16:4:4:8 ranks of 4×256², 5×512², 5×1024², 1×2048²) at 8 ranks (4:1:1:2)."""
+
+
+class Skip(Exception):
+    """A part that cannot run here (the message says why)."""
+
+
+def _cuda() -> torch.device:
+    if not torch.cuda.is_available():
+        raise Skip("no CUDA device")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _time(fn, repeats: int, device: torch.device) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` warm calls (CUDA events on GPU)."""
+    fn()
+    out = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            out.append(a.elapsed_time(b) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t)
+    return statistics.median(out)
+
+
+def _cu(lens, device):
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+
+def _torch_varlen():
+    """torch's own varlen attention, where this torch has it (else None)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # torch >= 2.10
+    except Exception:
+        return None
+
+    def run(q, k, v, cu, max_len, *, causal):
+        return varlen_attn(q, k, v, cu, cu, max_len, max_len, is_causal=causal)
+
+    return run
+
+
+# -- part 1 -------------------------------------------------------------------------------------------
+def part_attention(smoke: bool) -> dict:
+    from knapformer.attention import BACKENDS, available_backends
+    from knapformer.testing import reference_attention
+
+    device = torch.device("cpu") if smoke else _cuda()
+    usable = {n: fn for n, fn in BACKENDS.items() if available_backends(device)[n] is None}
+    reasons = {n: r for n, r in available_backends(device).items() if r}
+    tv = _torch_varlen()
+    if tv is not None and device.type == "cuda":
+        usable["torch_varlen"] = tv
+    else:
+        reasons["torch_varlen"] = "this torch has no torch.nn.attention.varlen" if tv is None else "needs CUDA"
+    conformance = []
+    lens = [5, 1, 17, 64]
+    for dtype in (torch.float32,) if smoke else (torch.bfloat16, torch.float32):
+        for causal in (False, True):
+            for h, h_kv in ((8, 8), (8, 2)):
+                g = torch.Generator().manual_seed(0)
+                q = torch.randn(sum(lens), h, 64, generator=g).to(device, dtype)
+                k = torch.randn(sum(lens), h_kv, 64, generator=g).to(device, dtype)
+                v = torch.randn(sum(lens), h_kv, 64, generator=g).to(device, dtype)
+                ref = reference_attention(q.double(), k.double(), v.double(), lens, causal=causal)
+                for name, fn in usable.items():
+                    row = {"backend": name, "dtype": str(dtype)[6:], "causal": causal, "heads": f"{h}/{h_kv}"}
+                    try:
+                        out = fn(q, k, v, _cu(lens, device), max(lens), causal=causal)
+                        row["max_err"] = float((out.double() - ref).abs().max())
+                        row["ok"] = row["max_err"] < (3e-2 if dtype == torch.bfloat16 else 1e-4)
+                    except Exception as exc:  # a backend without GQA, or a dtype it refuses
+                        row["error"], row["ok"] = f"{type(exc).__name__}: {exc}"[:200], False
+                    conformance.append(row)
+    batches = (
+        {"4 x 64": [64] * 4, "1 x 256": [256]}
+        if smoke
+        else {
+            "64 x 1024": [1024] * 64,
+            "4 x 16k": [16384] * 4,
+            "1 x 64k": [65536],
+        }
+    )
+    dtype = torch.float32 if smoke else torch.bfloat16
+    timing = {}
+    for label, bl in batches.items():
+        q = torch.randn(sum(bl), 24, 128, device=device, dtype=dtype)
+        row = {}
+        for name, fn in usable.items():
+            if name == "sdpa_mask" and sum(bl) > 16384:
+                row[name] = None  # an N×N mask of 64k tokens is 4 GB: not a contender
+                continue
+            try:
+                row[name] = _time(
+                    lambda fn=fn, q=q, bl=bl: fn(q, q, q, _cu(bl, device), max(bl), causal=False), 3, device
+                )
+            except Exception as exc:
+                row[name] = f"{type(exc).__name__}: {exc}"[:120]
+        timed = {n: t for n, t in row.items() if isinstance(t, float)}
+        timing[label] = {"seconds": row, "fastest": min(timed, key=timed.get) if timed else None}
+    ok = all(r["ok"] for r in conformance if r["backend"] != "torch_varlen")
+    return {
+        "status": "ok" if ok else "failed",
+        "device": str(device),
+        "skipped_backends": reasons,
+        "conformance": conformance,
+        "timing": timing,
+    }
+
+
+# -- part 2 -------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def part_executor(smoke: bool) -> dict:
+    import datetime
+
+    import torch.distributed as dist
+
+    from knapformer import BalancerConfig, SequenceBalancer, WorkloadModel
+    from knapformer.testing import reference_attention
+
+    device = torch.device("cpu") if smoke else _cuda()
+    backend = "gloo" if smoke else "nccl"
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{_free_port()}",
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        bal = SequenceBalancer(BalancerConfig(layout="g1n1", cost=WorkloadModel(d_model=64)))
+        lens = [33, 1, 200, 7]
+        out = {"backend": backend, "device": str(device)}
+        g = torch.Generator().manual_seed(0)
+        dtypes = (torch.float32, torch.bfloat16, torch.int64, torch.bool)
+        xs = [torch.randn(sum(lens), 3, generator=g).to(device, d) for d in dtypes[:2]]
+        xs += [torch.randint(0, 1 << 40, (sum(lens),), device=device), torch.rand(sum(lens), device=device) > 0.5]
+        bal.plan(lens)
+        back = bal.reverse_route(*bal.route(*xs))
+        out["round_trip_exact"] = all(torch.equal(a, b) for a, b in zip(back, xs))
+        q, k, v = (
+            torch.randn(sum(lens), 8, 16, device=device, dtype=torch.float64, requires_grad=True) for _ in range(3)
+        )
+        ref = reference_attention(q, k, v, lens)
+        o = bal.reverse_route(bal.attention(*bal.route(q, k, v)))
+        w = torch.randn_like(o)
+        grads = torch.autograd.grad((o * w).sum(), (q, k, v))
+        ref_grads = torch.autograd.grad((ref * w).sum(), (q, k, v))
+        out["attention_max_err"] = float((o - ref).detach().abs().max())
+        out["grad_max_err"] = max(float((a - b).abs().max()) for a, b in zip(grads, ref_grads))
+        # host syncs per phase, warm (the second step of one plan), CUDA sync debug mode
+        syncs: dict = {}
+        if device.type == "cuda":
+            qb = torch.randn(sum(lens), 8, 16, device=device, dtype=torch.bfloat16)
+            for _step in range(2):
+                bal.plan(lens)
+                phases = {}
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    with warnings.catch_warnings(record=True) as caught:
+                        warnings.simplefilter("always")
+                        y = bal.route(qb)
+                        phases["route"] = len(caught)
+                        for layer in range(3):
+                            n0 = len(caught)
+                            bal.attention(y, y, y)
+                            phases[f"attention layer {layer + 1}"] = len(caught) - n0
+                        n0 = len(caught)
+                        bal.reverse_route(y)
+                        phases["reverse_route"] = len(caught) - n0
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+                syncs = phases
+        else:
+            syncs = "skipped: counting host syncs needs CUDA"
+        out["host_syncs_warm_step"] = syncs
+        out["status"] = (
+            "ok"
+            if out["round_trip_exact"] and out["attention_max_err"] < 1e-10 and out["grad_max_err"] < 1e-10
+            else "failed"
+        )
+        return out
+    finally:
+        import gc
+
+        gc.collect()
+        dist.destroy_process_group()
+
+
+# -- parts 3-5: the project's own tools --------------------------------------------------------------
+def _cli(argv: list[str]) -> tuple[int, str]:
+    from knapformer.cli import main
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main(argv)
+    return rc, buf.getvalue()
+
+
+def _gpu_name() -> str:
+    name = torch.cuda.get_device_name().lower() if torch.cuda.is_available() else "cpu"
+    for key in ("h200", "h100", "a100", "l40", "b200"):
+        if key in name:
+            return key
+    return name.replace(" ", "-")
+
+
+def part_calibrate(smoke: bool, out_dir: Path) -> dict:
+    if smoke:
+        model, device, profile = "mmdit-tiny", "cpu", out_dir / "cpu-mmdit-tiny.json"
+        lengths, holdout, repeats = ["16", "64", "128"], ["32"], "1"
+    else:
+        _cuda()
+        model, device, profile = "flux", "cuda", ROOT / "profiles" / f"{_gpu_name()}-flux.json"
+        lengths = ["256", "1024", "2048", "4096", "8192", "16384", "32768"]
+        holdout, repeats = ["512", "12288"], "3"
+    args = ["calibrate", "--model", model, "--device", device, "--lengths", *lengths, "--holdout", *holdout]
+    args += ["--repeats", repeats, "--output", str(profile), "--plot", str(profile.with_suffix(".png")), "--quiet"]
+    rc, text = _cli(args)
+    if rc != 0:
+        return {"status": "failed", "error": text[-500:]}
+    prof = json.loads(profile.read_text())
+    return {
+        "status": "ok",
+        "profile": str(profile.relative_to(ROOT) if profile.is_relative_to(ROOT) else profile),
+        "gamma_equivalent": prof.get("gamma_equivalent"),
+        "fit_quality": prof["meta"].get("fit_quality"),
+        "table": text.strip().splitlines()[-4:],
+    }
+
+
+def part_cluster(smoke: bool, profile: str | None) -> dict:
+    if profile is None:
+        raise Skip("no measured profile (part 3 did not run)")
+    model = "mmdit-tiny" if smoke else "flux"
+    hw = "cpu-gloo" if smoke else _gpu_name() if _gpu_name() in ("h100", "h200", "a100") else "h100"
+    rows = []
+    runs = (
+        [("paper-mixres", 32), ("paper-joint", 32)]
+        if smoke
+        else [("paper-mixres", 32), ("paper-mixres", 1024), ("paper-joint", 32), ("paper-joint", 1024)]
+    )
+    for mix, gpus in runs:
+        for bags in ("auto", "g2n16" if smoke else "g8n4"):
+            argv = [
+                "cluster",
+                "--mix",
+                mix,
+                "--gpus",
+                str(gpus),
+                "--model",
+                model,
+                "--hardware",
+                hw,
+                "--bags",
+                bags,
+                "--compute-profile",
+                str(ROOT / profile if not Path(profile).is_absolute() else profile),
+                "--steps",
+                "2" if smoke else "4",
+                "--json",
+                "--quiet",
+            ]
+            rc, text = _cli(argv)
+            if rc != 0:
+                rows.append({"mix": mix, "gpus": gpus, "bags": bags, "error": text[-300:]})
+                continue
+            d = json.loads(text)
+            none = next(r for r in d["rows"] if r["bags"] == "none")
+            rows.append(
+                {
+                    "mix": mix,
+                    "gpus": gpus,
+                    "bags": bags,
+                    "none_s": none["step_s"],
+                    "balanced_s": d["best"]["step_s"],
+                    "speedup": d["best"]["speedup"],
+                    "hfu": d["best"]["hfu"],
+                }
+            )
+    ok = all("error" not in r for r in rows)
+    return {"status": "ok" if ok else "failed", "hardware": hw, "rows": rows, "paper_32_h100_g8n4": PAPER_32_H100_G8N4}
+
+
+def part_simulate(smoke: bool) -> dict:
+    from knapformer.tools.sim_config import SimConfig
+    from knapformer.tools.simulate import simulate
+
+    cores = os.cpu_count() or 1
+    ranks = 2 if smoke else 8
+    if not smoke and cores < ranks:
+        raise Skip(f"{cores} CPU cores: 8 ranks would time-share")
+    cfg = SimConfig(
+        ranks=ranks,
+        mix="g1b2i128f1s0,g1b1i256f1s0" if smoke else MIXRES_8,
+        scale=2 if smoke else 4,
+        model="mmdit-tiny" if smoke else "mmdit-small",
+        steps=1 if smoke else 5,
+        warmup=0 if smoke else 1,
+        peak_tflops=0.01 if smoke else None,
+        progress=False,
+    )
+    rep = simulate(cfg)
+    bal, unb = rep["modes"]["balanced"], rep["modes"]["unbalanced"]
+    out = {"ranks": ranks, "cores": cores, "mix": cfg.mix, "scale": cfg.scale, "model": cfg.model}
+    for key in ("speedup", "ideal_speedup", "loss_match"):
+        out[key] = rep.get(key)
+    out["step_s"] = {"unbalanced": unb.get("step_time"), "balanced": bal.get("step_time")}
+    out["status"] = "ok" if rep.get("loss_match") else "failed"
+    return out
+
+
+# -- driver -------------------------------------------------------------------------------------------
+def _run(name: str, fn, results: dict) -> None:
+    t = time.perf_counter()
+    try:
+        results[name] = fn()
+    except Skip as exc:
+        results[name] = {"status": "skipped", "reason": str(exc)}
+    except Exception as exc:
+        results[name] = {
+            "status": "failed",
+            "error": f"{type(exc).__name__}: {exc}",
+            "traceback": traceback.format_exc()[-2000:],
+        }
+    results[name]["seconds"] = round(time.perf_counter() - t, 2)
+    print(f"[{results[name]['status']:>7}] {name} ({results[name]['seconds']} s)", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, CUDA parts skipped (CI)")
+    p.add_argument("--out", default=None, help="output folder (default runs/accelerator[/smoke])")
+    p.add_argument("--parts", default="1,2,3,4,5", help="comma-separated part numbers to run")
+    args = p.parse_args(argv)
+    out_dir = Path(args.out) if args.out else ROOT / "runs" / "accelerator" / ("smoke" if args.smoke else "")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    parts = {int(x) for x in args.parts.split(",")}
+    results: dict = {}
+    smoke = args.smoke
+    if 1 in parts:
+        _run("1 attention backends", lambda: part_attention(smoke), results)
+    if 2 in parts:
+        _run("2 executor (1-rank group)", lambda: part_executor(smoke), results)
+    if 3 in parts:
+        _run("3 calibrate blocks", lambda: part_calibrate(smoke, out_dir), results)
+    if 4 in parts:
+        prof = results.get("3 calibrate blocks", {}).get("profile")
+        _run("4 cluster from the profile", lambda: part_cluster(smoke, prof), results)
+    if 5 in parts:
+        _run("5 simulate on dedicated cores", lambda: part_simulate(smoke), results)
+    meta = {
+        "smoke": smoke,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+    }
+    report = {"meta": meta, "parts": results}
+    (out_dir / "check.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    lines = [f"accelerator check  smoke={smoke}  torch {meta['torch']}  device {meta['device']}"]
+    for name, r in results.items():
+        why = r.get("reason") or r.get("error") or ""
+        lines.append(f"  {name:34s} {r['status']:8s} {r['seconds']:7.1f} s  {why[:80]}")
+    t1 = results.get("1 attention backends", {}).get("timing", {})
+    for label, row in t1.items():
+        secs = ", ".join(f"{n} {v * 1e3:.2f} ms" for n, v in row["seconds"].items() if isinstance(v, float))
+        lines.append(f"    attention {label}: {secs} -> fastest {row['fastest']}")
+    for r in results.get("4 cluster from the profile", {}).get("rows", []):
+        if "error" not in r:
+            lines.append(
+                f"    cluster {r['mix']} {r['gpus']} GPUs {r['bags']}: {r['none_s']:.2f} s -> "
+                f"{r['balanced_s']:.2f} s ({r['speedup']:.2f}x)"
+            )
+    sim = results.get("5 simulate on dedicated cores", {})
+    if sim.get("status") == "ok":
+        lines.append(
+            f"    simulate {sim['ranks']} ranks: speedup {sim['speedup']:.3f}x of ideal {sim['ideal_speedup']:.3f}x"
+        )
+    text = "\n".join(lines)
+    (out_dir / "check.txt").write_text(text + "\n")
+    print(text)
+    failed = [n for n, r in results.items() if r["status"] == "failed"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

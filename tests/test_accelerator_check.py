@@ -1,0 +1,27 @@
+"""The prepared accelerator check runs on CPU (--smoke): every part ok or skipped with a reason."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_accelerator_check_smoke(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "accelerator_check.py"), "--smoke", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads((tmp_path / "check.json").read_text())
+    parts = report["parts"]
+    assert len(parts) == 5 and report["meta"]["smoke"] is True
+    for name, part in parts.items():
+        assert part["status"] in ("ok", "skipped"), (name, part)
+        if part["status"] == "skipped":
+            assert part["reason"], name
+    assert parts["2 executor (1-rank group)"]["round_trip_exact"]
+    assert (tmp_path / "check.txt").read_text().startswith("accelerator check")
