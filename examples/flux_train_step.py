@@ -1,16 +1,22 @@
-"""One balanced training step of a stock diffusers FluxTransformer2DModel (tiny, random init).
+"""Balanced training steps of a stock diffusers FluxTransformer2DModel (tiny, random init).
 
 torchrun --nproc-per-node 2 examples/flux_train_step.py
+
+The loss is the mean over the image tokens of *all* ranks: each rank sums its squared errors
+and divides by the global token count (one all-reduce of a scalar), and the gradients are
+summed over ranks. A per-rank ``.mean()`` with averaged gradients would weight the tokens of
+a rank with few tokens more than those of a rank with many.
 """
 
 import torch
 import torch.distributed as dist
 from diffusers import FluxTransformer2DModel
 
-from knapformer import SequenceBalancer, WorkloadModel
-from knapformer.integrations.diffusers import FluxSample, flux_seq_lens, packed_flux_forward
+from knapformer import BalancerConfig, SequenceBalancer
+from knapformer.integrations.diffusers import FluxSample, flux_seq_lens, flux_workload, packed_flux_forward
 
-dist.init_process_group("gloo")  # torchrun --nproc-per-node 2 train.py
+dist.init_process_group("gloo")
+torch.manual_seed(0)  # the same initial weights on every rank
 model = FluxTransformer2DModel(
     in_channels=16,
     num_layers=2,
@@ -21,30 +27,42 @@ model = FluxTransformer2DModel(
     pooled_projection_dim=32,
     axes_dims_rope=(8, 12, 12),
 )
-bal = SequenceBalancer("g2n1", WorkloadModel(d_model=128))
+bal = SequenceBalancer(BalancerConfig(layout="auto", cost=flux_workload(model)))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+g = torch.Generator().manual_seed(dist.get_rank())
 
 
 def sample(h, w, txt):  # one image of h*w latent tokens + txt text tokens
     ids = torch.stack(torch.meshgrid(torch.arange(1), torch.arange(h), torch.arange(w), indexing="ij"), -1)
     return FluxSample(
-        latents=torch.randn(h * w, 16),
-        text=torch.randn(txt, 32),
-        pooled=torch.randn(32),
-        timestep=torch.rand(()),
+        latents=torch.randn(h * w, 16, generator=g),
+        text=torch.randn(txt, 32, generator=g),
+        pooled=torch.randn(32, generator=g),
+        timestep=torch.rand((), generator=g),
         img_ids=ids.reshape(-1, 3).float(),
         txt_ids=torch.zeros(txt, 3),
     )
 
 
-samples = [sample(8, 8, 10), sample(4, 6, 3)] if dist.get_rank() == 0 else [sample(32, 32, 20)]
-bal.plan(flux_seq_lens(samples))  # once per step: text + image tokens of each sample
-out = packed_flux_forward(model, samples, bal)  # per-sample (T_img, C), original order
-targets = torch.cat([torch.randn_like(o) for o in out]) if out else out.flat
-loss = ((out.flat - targets) ** 2).mean()
-loss.backward()  # every rank, also one without samples (out.flat)
-for p in model.parameters():  # plain data parallel (or FSDP2 per block)
-    dist.all_reduce(p.grad)
-opt.step()
-print(f"rank {dist.get_rank()}: {len(samples)} samples, loss {loss.item():.4f}")
+for step in range(2):
+    samples = [sample(8, 8, 10), sample(4, 6, 3)] if dist.get_rank() == 0 else [sample(32, 32, 20)]
+    bal.plan(flux_seq_lens(samples))  # once per step: text + image tokens per sample
+    out = packed_flux_forward(model, samples, bal)  # per-sample (T_img, C), original order
+    targets = torch.randn(out.flat.shape, generator=g)
+    tokens = torch.tensor(float(out.flat.shape[0]))
+    dist.all_reduce(tokens)  # image tokens of all ranks
+    loss = ((out.flat - targets) ** 2).sum() / (tokens * out.flat.shape[1])
+    loss.backward()  # every rank, also one without samples (out.flat is connected)
+    for p in model.parameters():  # plain data parallel (or FSDP2 per block)
+        dist.all_reduce(p.grad)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    if dist.get_rank() == 0:
+        degrees = sorted(set(map(len, bal.current_plan.bags)))
+        print(f"step {step}: global mean loss {total.item():.4f}, group sizes this step {degrees}")
+import gc  # noqa: E402
+
+gc.collect()
 dist.destroy_process_group()

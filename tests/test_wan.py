@@ -192,3 +192,37 @@ def test_calibrate_times_wan_blocks(tmp_path, capsys):
     prof = WorkloadModel.from_profile(out)
     assert prof.d_model == 64 and prof.num_layers == 2 and prof.context_len == 0
     assert "held-out" in capsys.readouterr().out
+
+
+def test_first_last_frame_image_context():
+    """FLF2V-style models (a learned position table over two images per sample): a sample's
+    image context is its two images' rows, (2·L, dim), joined as the stock embedder does."""
+    from diffusers import WanTransformer3DModel
+
+    from knapformer.integrations.wan import packed_wan_forward
+
+    torch.manual_seed(0)
+    ref = WanTransformer3DModel(**W.TINY, **W.I2V, pos_embed_seq_len=10).double()
+    model = copy.deepcopy(ref)
+    samples = [W.make_sample(2, 4, 4, 0, seed=1, i2v=True), W.make_sample(1, 2, 4, 0, seed=2, i2v=True)]
+    for s in samples:
+        s.image = torch.randn(10, 6, dtype=torch.float64)
+    with torch.no_grad():
+        outs = packed_wan_forward(model, samples)
+        for o, s in zip(outs, samples):
+            stock = ref(
+                hidden_states=s.latents[None],
+                timestep=s.timestep[None],
+                encoder_hidden_states=s.text[None],
+                encoder_hidden_states_image=s.image.unflatten(0, (2, -1)),
+                return_dict=False,
+            )[0][0]
+            assert W.rel(o, stock) < W.OUT_TOL
+
+
+def test_bad_sample_on_one_rank_raises_on_every_rank():
+    res = run_distributed(W.check_bad_sample_on_one_rank, 2, timeout=120)
+    for case in range(3):
+        assert [r[case][0] for r in res] == ["BalancerInputError"] * 2, [r[case] for r in res]
+        assert all("bad input on rank(s) [1]" in r[case][1] for r in res)
+    assert "channels" in res[1][0][1] and "RoPE table" in res[1][1][1] and "guidance" in res[1][2][1]

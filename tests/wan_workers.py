@@ -140,3 +140,43 @@ def check_wan_balanced(rank: int, world: int, names: list[str]) -> dict:
         assert worst < GRAD_TOL, (name, worst)
         report[name] = {"routed": int(bal.spec.num_routed), "out_err": out_err, "grad_err": worst}
     return report
+
+
+def check_bad_sample_on_one_rank(rank: int, world: int) -> list:
+    """A malformed sample on rank 1 (Wan: wrong channels, a video larger than the RoPE table;
+    Flux: no guidance for a guidance-distilled model) raises BalancerInputError on every rank
+    before any data moves; the next, good step still runs."""
+    from knapformer import BalancerConfig, SequenceBalancer, WorkloadModel
+    from knapformer.distributed import BalancerInputError
+    from knapformer.integrations.diffusers import flux_seq_lens, packed_flux_forward
+    from knapformer.integrations.wan import packed_wan_forward, wan_seq_lens, wan_workload
+    from tests import flux_workers as F
+
+    out = []
+    model = tiny_wan()
+    bal = SequenceBalancer(BalancerConfig(layout="g2n1", cost=wan_workload(model, context_len=8)))
+    for case in ("channels", "rope"):
+        samples = [make_sample(2, 4, 4, 3, seed=rank)]
+        if rank == 1 and case == "channels":
+            samples[0].latents = torch.randn(5, 2, 4, 4, dtype=torch.float64)
+        if rank == 1 and case == "rope":
+            samples[0].latents = torch.randn(3, 1, 2, 2 * 70, dtype=torch.float64)
+        bal.plan(wan_seq_lens(model, samples))
+        try:
+            packed_wan_forward(model, samples, bal)
+            out.append(("ok", ""))
+        except BalancerInputError as exc:
+            out.append(("BalancerInputError", str(exc)))
+        good = [make_sample(1, 2, 4, 2, seed=rank)]
+        bal.plan(wan_seq_lens(model, good))
+        packed_wan_forward(model, good, bal)[0].sum().backward()
+    flux = F.tiny_flux(guidance=True)
+    fbal = SequenceBalancer("g2n1", WorkloadModel(d_model=16))
+    samples = [F.make_sample(2, 2, 2, seed=rank, guidance=rank == 0)]
+    fbal.plan(flux_seq_lens(samples))
+    try:
+        packed_flux_forward(flux, samples, fbal)
+        out.append(("ok", ""))
+    except BalancerInputError as exc:
+        out.append(("BalancerInputError", str(exc)))
+    return out

@@ -379,6 +379,13 @@ class SequenceBalancer:
         return self._plan, self._spec
 
     # -- agreement ---------------------------------------------------------------------------------
+    def report_error(self, message: str) -> None:
+        """Report a problem only this rank can see (e.g. a malformed sample): it is raised, as
+        :class:`BalancerInputError` naming this rank, on every rank of the group at the next
+        agreement point (the next ``route``/``reverse_route``/``route_context``/first
+        attention), so the other ranks do not wait in a collective this rank has left."""
+        self._pending = self._pending or str(message)
+
     def _agree(self, where: str, error: str = "", **values: str) -> None:
         """The flag exchange before data moves: this rank's error (or one deferred from an
         earlier layer), the plan digest until it is agreed, and ``values`` (signatures)."""

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from knapformer.models.executor import LocalExecutor, TokenExecutor, local_positions
+from knapformer.models.executor import LocalExecutor, TokenExecutor, local_positions, raise_everywhere
 from knapformer.models.layers import merge_streams, split_streams
 
 __all__ = [
@@ -54,6 +54,7 @@ __all__ = [
     "PackedFluxOutput",
     "build_flux",
     "flux_seq_lens",
+    "flux_workload",
     "packed_flux_forward",
     "prepare_flux",
     "samples_from_batch",
@@ -291,6 +292,22 @@ def prepare_flux(model) -> None:
             norm._knapformer_hooked = True
 
 
+def flux_workload(model, *, gamma: float = 1.0):
+    """The planner's cost model of a ``FluxTransformer2DModel`` from its config: d_model is the
+    inner width (heads × head dim; the stock blocks cost ``24·d²`` FLOPs per token in either
+    stream: q/k/v/o plus a 4× MLP, or the single blocks' fused equivalent), every double and
+    single block is a layer, and the heads bound the Ulysses degrees ``auto`` may choose."""
+    from knapformer.workload import WorkloadModel
+
+    c = model.config
+    return WorkloadModel(
+        d_model=c.num_attention_heads * c.attention_head_dim,
+        gamma=gamma,
+        num_layers=c.num_layers + c.num_single_layers,
+        num_heads=c.num_attention_heads,
+    )
+
+
 def flux_seq_lens(samples: Sequence[FluxSample]) -> list[int]:
     """Tokens of each sample as the packed forward lays them out (its text, then its image):
     the lengths to plan the step with."""
@@ -333,7 +350,10 @@ def packed_flux_forward(
     pooled = _cat([s.pooled[None] for s in samples], (0, model.config.pooled_projection_dim), device, dtype)
     if model.config.guidance_embeds:
         if any(s.guidance is None for s in samples):
-            raise ValueError("this model is guidance-distilled: every FluxSample needs a guidance value")
+            error = "this model is guidance-distilled: every FluxSample needs a guidance value"
+            if executor is not None:
+                raise_everywhere(executor, error)
+            raise ValueError(error)
         temb = model.time_text_embed(ts, _stack([s.guidance for s in samples], device, dtype) * 1000, pooled)
     else:
         temb = model.time_text_embed(ts, pooled)

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 
 from knapformer.integrations.diffusers import require_diffusers
-from knapformer.models.executor import LocalExecutor, RoutedContext, TokenExecutor
+from knapformer.models.executor import LocalExecutor, RoutedContext, TokenExecutor, raise_everywhere
 from knapformer.workload import WorkloadModel
 
 __all__ = [
@@ -115,7 +115,10 @@ class WanSample:
     latents: torch.Tensor  # (C, F, H, W) video latents (an image: F = 1)
     text: torch.Tensor  # (L_txt, text_dim) text encoder states (unpadded, or padded as you like)
     timestep: torch.Tensor  # () or (F'·H'·W',) one per video token (Wan 2.2 TI2V), stock units
-    image: torch.Tensor | None = None  # (L_img, image_dim) image encoder states (I2V models)
+    image: torch.Tensor | None = None
+    """(L_img, image_dim) image encoder states, for I2V models (CLIP: 257 tokens); for models with
+    a learned image position table (first/last-frame, ``pos_embed_seq_len``) both images' rows,
+    (2·L_img, image_dim)."""
 
 
 class PackedWanOutput(list):
@@ -286,8 +289,15 @@ def _post_patch(model, latents: torch.Tensor) -> tuple[int, int, int]:
 
 
 def wan_seq_lens(model, samples: Sequence[WanSample]) -> list[int]:
-    """Video tokens of each sample (F'·H'·W' after patching): the lengths to plan with."""
-    return [math.prod(_post_patch(model, s.latents)) for s in samples]
+    """Video tokens of each sample (F'·H'·W' after patching): the lengths to plan with. Never
+    raises for a malformed sample (0 tokens, or its whole patches): ``packed_wan_forward``
+    reports it, on every rank of a balancer's group, so no rank is left waiting in ``plan``."""
+    out = []
+    p = model.config.patch_size
+    for s in samples:
+        shape = tuple(getattr(s.latents, "shape", ()))
+        out.append(math.prod(n // k for n, k in zip(shape[1:], p)) if len(shape) == 4 else 0)
+    return out
 
 
 def wan_grid(tokens: int, max_side: int = 1024) -> tuple[int, int, int]:
@@ -368,20 +378,27 @@ def _rope_tables(model, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(cos, dim=1)[:, None], torch.cat(sin, dim=1)[:, None]
 
 
-def _checked(model, samples: Sequence[WanSample]) -> None:
+def _problem(model, samples: Sequence[WanSample]) -> str:
+    """Why these samples cannot run on this model ("" if they can)."""
     cfg = model.config
     i2v = cfg.added_kv_proj_dim is not None
     for i, s in enumerate(samples):
+        try:
+            grid = _post_patch(model, s.latents)
+        except ValueError as exc:
+            return f"sample {i}: {exc}"
+        if max(grid) >= model.rope.max_seq_len:
+            return f"sample {i}: a video side of {max(grid)} tokens exceeds the RoPE table ({model.rope.max_seq_len})"
         if s.text.dim() != 2 or s.text.shape[1] != cfg.text_dim:
-            raise ValueError(f"sample {i}: text must be (L_txt, {cfg.text_dim}), got {tuple(s.text.shape)}")
+            return f"sample {i}: text must be (L_txt, {cfg.text_dim}), got {tuple(s.text.shape)}"
         if i2v and s.image is None:
-            raise ValueError(f"sample {i}: this Wan model has image cross-attention (I2V) and needs WanSample.image")
+            return f"sample {i}: this Wan model has image cross-attention (I2V) and needs WanSample.image"
         if not i2v and s.image is not None:
-            raise ValueError(f"sample {i}: an image context was given but this Wan model has no image cross-attention")
-        n = math.prod(_post_patch(model, s.latents))
+            return f"sample {i}: an image context was given but this Wan model has no image cross-attention"
         t = torch.as_tensor(s.timestep)
-        if t.numel() not in (1, n):
-            raise ValueError(f"sample {i}: timestep must be a scalar or one per video token ({n}), got {t.numel()}")
+        if t.numel() not in (1, math.prod(grid)):
+            return f"sample {i}: timestep must be a scalar or one per video token ({math.prod(grid)}), got {t.numel()}"
+    return ""
 
 
 def packed_wan_forward(model, samples: Sequence[WanSample], executor: TokenExecutor | None = None) -> PackedWanOutput:
@@ -391,7 +408,11 @@ def packed_wan_forward(model, samples: Sequence[WanSample], executor: TokenExecu
     ``wan_seq_lens(model, samples)`` (every rank of the group calls this function), a
     ``LocalExecutor``, or None (everything on this process)."""
     prepare_wan(model)
-    _checked(model, samples)
+    error = _problem(model, samples)
+    if error:
+        if executor is not None:
+            raise_everywhere(executor, error)
+        raise ValueError(error)
     cfg = model.config
     device = model.patch_embedding.weight.device
     dtype = model.patch_embedding.weight.dtype

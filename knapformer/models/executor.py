@@ -9,13 +9,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 import torch
 
 from knapformer.attention import varlen_attention, varlen_cross_attention
 
-__all__ = ["LocalExecutor", "RoutedContext", "TokenExecutor", "context_problem", "local_positions", "routed_context"]
+__all__ = [
+    "LocalExecutor",
+    "RoutedContext",
+    "TokenExecutor",
+    "context_problem",
+    "local_positions",
+    "raise_everywhere",
+    "routed_context",
+]
 
 
 class TokenExecutor(Protocol):
@@ -114,6 +122,18 @@ def cross_attend(q, k, v, context: RoutedContext, backend: str) -> torch.Tensor:
         q = q.index_select(0, context.q_order)
     o = varlen_cross_attention(q, k, v, context.cu_q, context.cu_k, backend=backend)
     return o if context.q_inverse is None else o.index_select(0, context.q_inverse)
+
+
+def raise_everywhere(executor, error: str) -> NoReturn:
+    """A problem with this rank's inputs found before the step's first exchange: with a
+    balancer, raise it on every rank of the group (at the agreement of ``route``, which the
+    other ranks are entering) instead of only here, where the others would wait in the
+    collective; a plain ``ValueError`` for a local executor."""
+    report = getattr(executor, "report_error", None)
+    if report is not None:
+        report(error)
+        executor.route(torch.zeros(0, 1))  # its agreement raises on every rank
+    raise ValueError(error)
 
 
 def local_positions(seq_lens: Sequence[int], device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
