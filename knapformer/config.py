@@ -75,6 +75,9 @@ class BalancerConfig:
     """With ``recalibrate``: also estimate each rank's speed (a slow rank gets less work)."""
     recalibrate_window: int = 16
     """Timed steps the online fit keeps (older ones are forgotten)."""
+    recalibrate_warmup: int = 1
+    """Timed steps at the start the online fit skips (they pay one-time costs: allocator growth,
+    lazy initialisation, autotuning, compilation); the configured model plans until then."""
 
     def __post_init__(self) -> None:
         layout = parse_layout(self.layout)
@@ -117,6 +120,9 @@ class BalancerConfig:
             or (self.recalibrate_window < 1)
         ):
             raise ValueError(f"BalancerConfig.recalibrate_window must be an int >= 1, got {self.recalibrate_window!r}")
+        w = self.recalibrate_warmup
+        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+            raise ValueError(f"BalancerConfig.recalibrate_warmup must be an int >= 0, got {w!r}")
         if self.time_budget_s is not None:
             if not info.takes_time_budget:
                 raise ValueError(f"solver {self.solver!r} takes no time budget; drop time_budget_s")

@@ -135,7 +135,12 @@ class SequenceBalancer:
         # -- closed loop: timing, online fit, telemetry
         self._timer = StepTimer() if config.measure else None
         self._fit = (
-            OnlineFit(prior=config.cost, window=config.recalibrate_window, estimate_speed=config.estimate_speed)
+            OnlineFit(
+                prior=config.cost,
+                window=config.recalibrate_window,
+                warmup=config.recalibrate_warmup,
+                estimate_speed=config.estimate_speed,
+            )
             if config.recalibrate
             else None
         )

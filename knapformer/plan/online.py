@@ -12,6 +12,11 @@ error (every rank-step counts alike, short or long)::
 does not change a plan, so it is kept in the profile's ``per_call_seconds``) with a light
 ridge pull towards the prior (the configured model, rescaled to seconds by the
 first fit) so that steps whose ranks look alike cannot send a coefficient to nonsense.
+The fit is robust: the first ``warmup`` timed steps are not used (they pay one-time costs:
+allocator growth, lazy initialisation, autotuning, compilation), and rank-steps whose relative
+residual is far outside the others' (a GC pause, a recompile at a new shape, a co-scheduled
+process) are down-weighted (Huber weights on a MAD scale, a few reweighted solves), so one spike
+cannot skew the model for the ``window`` steps it stays in.
 Per-rank speeds (opt-in) are the median ratio of predicted to measured time over the window,
 normalised to a median of 1 and floored, so one noisy step cannot starve a rank.
 
@@ -65,7 +70,14 @@ class OnlineFit:
     """No rank's estimated speed goes below this (relative to the median rank)."""
     ridge: float = 1e-3
     """Strength of the pull towards the (rescaled) prior, per observation row."""
+    warmup: int = 1
+    """Timed steps at the start that are not fitted (one-time costs)."""
+    huber: float = 2.5
+    """Rank-steps whose relative residual exceeds this many robust standard deviations (MAD
+    scale, at least 2%) get weight ∝ 1/residual; ``math.inf`` = plain least squares."""
     history: deque = field(default_factory=deque, repr=False)
+    seen: int = 0
+    """Steps offered to :meth:`add`, warm-up included."""
 
     def __post_init__(self) -> None:
         if not 0 < self.forget <= 1:
@@ -74,9 +86,17 @@ class OnlineFit:
             raise ValueError(f"window must be >= 1, got {self.window}")
         if not 0 < self.speed_floor <= 1:
             raise ValueError(f"speed_floor must be in (0, 1], got {self.speed_floor}")
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"warmup must be an int >= 0, got {self.warmup!r}")
+        if not self.huber > 0:
+            raise ValueError(f"huber must be > 0, got {self.huber}")
 
     def add(self, obs: Observation) -> None:
-        """Record one step (ranks whose time is not positive and finite are left out)."""
+        """Record one step (ranks whose time is not positive and finite are left out; the
+        first ``warmup`` steps are counted, not kept)."""
+        self.seen += 1
+        if self.seen <= self.warmup:
+            return
         self.history.append(obs)
         while len(self.history) > self.window:
             self.history.popleft()
@@ -142,6 +162,22 @@ class OnlineFit:
         return model, est
 
     def _solve(self, X: np.ndarray, y: np.ndarray, w: np.ndarray, speed: np.ndarray) -> np.ndarray:
+        """Robust non-negative relative least squares: :meth:`_nnls`, then a few solves with
+        Huber weights on the relative residuals (so outlying rank-steps count less)."""
+        coef = self._nnls(X, y, w, speed)
+        if not math.isfinite(self.huber):
+            return coef
+        A = np.concatenate([X / speed[:, None], np.ones((X.shape[0], 1))], axis=1)
+        for _ in range(3):
+            r = (A @ coef - y) / y
+            scale = max(1.4826 * float(np.median(np.abs(r - np.median(r)))), 0.02)
+            cut = self.huber * scale
+            a = np.abs(r)
+            hw = np.where(a > cut, cut / np.maximum(a, 1e-300), 1.0)
+            coef = self._nnls(X, y, w * hw, speed)
+        return coef
+
+    def _nnls(self, X: np.ndarray, y: np.ndarray, w: np.ndarray, speed: np.ndarray) -> np.ndarray:
         """Non-negative relative least squares with a ridge towards the rescaled prior."""
         A = np.concatenate([X / speed[:, None], np.ones((X.shape[0], 1))], axis=1)
         p = (
