@@ -48,7 +48,8 @@ def _fit(obs, **kw) -> tuple[OnlineFit, WorkloadModel, np.ndarray | None]:
 
 
 def _max_rel_error(model, feats, speed=1.0) -> float:
-    return max(float(np.max(np.abs(_predict(model, f, speed) - _seconds(f, speed)) / _seconds(f, speed))) for f in feats)
+    errors = [np.abs(_predict(model, f, speed) - _seconds(f, speed)) / _seconds(f, speed) for f in feats]
+    return float(np.max(errors))
 
 
 def test_recovers_the_true_costs_from_exact_timings():
