@@ -88,6 +88,7 @@ def test_tiny_run_on_two_ranks(tmp_path):
         peak_tflops=0.01,
         progress=False,
         recalibrate=True,
+        recalibrate_warmup=0,  # so step 2 already plans with the model refitted from step 1
     )
     rep = simulate(cfg)
     assert rep["loss_match"], rep["loss_max_rel_diff"]

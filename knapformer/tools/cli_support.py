@@ -193,6 +193,13 @@ def add_balancer_args(
         g.add_argument("--measure", action="store_true", help="time each rank's balanced region every step")
         g.add_argument("--recalibrate", action="store_true", help="refit the cost model online from the timings")
         g.add_argument("--estimate-speed", action="store_true", help="with --recalibrate: estimate per-rank speeds")
+        g.add_argument(
+            "--recalibrate-warmup",
+            type=int,
+            default=1,
+            metavar="N",
+            help="with --recalibrate: timed steps not fitted at the start (one-time costs; default 1)",
+        )
 
 
 def cost_model_from_args(
@@ -222,6 +229,7 @@ def balancer_config_from_args(args: argparse.Namespace, *, cost: WorkloadModel, 
         measure=args.measure,
         recalibrate=args.recalibrate,
         estimate_speed=args.estimate_speed,
+        recalibrate_warmup=args.recalibrate_warmup,
     )
 
 

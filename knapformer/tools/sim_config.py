@@ -62,6 +62,8 @@ class SimConfig:
     """The balancer refits its cost model online from the timings (implies ``measure``)."""
     estimate_speed: bool = False
     """With ``recalibrate``: per-rank speeds estimated too."""
+    recalibrate_warmup: int = 1
+    """With ``recalibrate``: timed steps at the start the fit skips (one-time costs)."""
     hardware: str | None = None
     """Hardware preset (``knapformer.cluster.HARDWARE``) whose links price the exchanges for
     the planner; None = ``cpu-gloo`` on CPU and ``h100`` on CUDA for layout ``auto``, and no
@@ -139,6 +141,7 @@ class SimConfig:
             measure=self.measure,
             recalibrate=self.recalibrate,
             estimate_speed=self.estimate_speed,
+            recalibrate_warmup=self.recalibrate_warmup,
         )
 
 
@@ -202,6 +205,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         measure=args.measure,
         recalibrate=args.recalibrate,
         estimate_speed=args.estimate_speed,
+        recalibrate_warmup=args.recalibrate_warmup,
         device=args.device,
         checkpointing=args.checkpointing,
         peak_tflops=args.peak_tflops,
