@@ -164,22 +164,22 @@ class OnlineFit:
     def _solve(self, X: np.ndarray, y: np.ndarray, w: np.ndarray, speed: np.ndarray) -> np.ndarray:
         """Robust non-negative relative least squares: :meth:`_nnls`, then a few solves with
         Huber weights on the relative residuals (so outlying rank-steps count less)."""
-        coef = self._nnls(X, y, w, speed)
+        A = np.concatenate([X / speed[:, None], np.ones((X.shape[0], 1))], axis=1)
+        coef = self._nnls(A, y, w)
         if not math.isfinite(self.huber):
             return coef
-        A = np.concatenate([X / speed[:, None], np.ones((X.shape[0], 1))], axis=1)
         for _ in range(3):
             r = (A @ coef - y) / y
             scale = max(1.4826 * float(np.median(np.abs(r - np.median(r)))), 0.02)
             cut = self.huber * scale
             a = np.abs(r)
             hw = np.where(a > cut, cut / np.maximum(a, 1e-300), 1.0)
-            coef = self._nnls(X, y, w * hw, speed)
+            coef = self._nnls(A, y, w * hw)
         return coef
 
-    def _nnls(self, X: np.ndarray, y: np.ndarray, w: np.ndarray, speed: np.ndarray) -> np.ndarray:
-        """Non-negative relative least squares with a ridge towards the rescaled prior."""
-        A = np.concatenate([X / speed[:, None], np.ones((X.shape[0], 1))], axis=1)
+    def _nnls(self, A: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """Non-negative relative least squares with a ridge towards the rescaled prior; ``A``:
+        the features over speed, then a column of ones (the per-step constant)."""
         p = (
             np.asarray([self.prior.linear_coef, self.prior.quad_coef, self.prior.per_seq_coef, 0.0])
             * self.prior.num_layers
@@ -198,7 +198,7 @@ class OnlineFit:
                 rows.append(e[None, :])
                 rhs.append(np.asarray([lam]))
         M, b = np.concatenate(rows), np.concatenate(rhs)
-        active = [j for j in range(3) if np.any(X[:, j] > 0)] + [3]
+        active = [j for j in range(3) if np.any(A[:, j] > 0)] + [3]
         coef = np.zeros(4)
         while active:
             sol, *_ = np.linalg.lstsq(M[:, active], b, rcond=None)
