@@ -9,7 +9,7 @@ one on every even rank, whose attention share decides the balance). Two online r
 on). What is checked, against the issue's acceptance:
 
 * after ``N`` = 16 timed steps, the online model's prediction of each rank's measured time on
-  the next ``JUDGED`` = 16 steps (each predicted before it runs, by the model fitted up to
+  the next ``JUDGED`` = 32 steps (each predicted before it runs, by the model fitted up to
   then) has a median |predicted − measured| / measured ≤ 10% over ranks and steps — or, when
   the machine is noisier than that, ≤ the in-hindsight floor + 8 points (the best model of the
   same form fitted to those very steps, solved independently in the test; over 21 local runs
@@ -22,13 +22,19 @@ on). What is checked, against the issue's acceptance:
 * every rank holds the identical model every step; the slow rank's speed is estimated and its
   imbalance at least halved.
 
+The exact properties (identical models, one record per step, the speed estimate) must hold on
+every attempt; the measured thresholds get a second attempt (``ATTEMPTS``) when the first
+fails: in the full suite a level shift of the VM's speed during the judged steps left the
+online model 9 points above the floor for several steps (a median error of 19% vs a 10% floor
+in one CI-like run). A broken fit fails both attempts (mutation below).
+
 Why the floor: ranks on this VM's vCPUs change speed by up to ~25% for seconds at a time
 (measured: the same plan at 52 ms, then 65 ms; the in-hindsight floor of 60 steps ranged 2–12%
 between runs minutes apart), which no cost model can predict; a plain 10% bound failed ~30%
 of runs. With a core per rank each rank is pinned to its own. 4 ranks time-share the 2 cores
-(unpinned), so single steps are noisier: their thresholds are 15% and +0.03. Local runs of
-this version: 2 ranks error 2.8–6.0% (floor 3.1–5.6%), imbalance online 0.054–0.071 vs profile
-0.050–0.051 vs wrong γ 0.19–0.24; 4 ranks error 7.1–12.8% (floor 6.1–10.8%), imbalance
+(unpinned), so single steps are noisier: their thresholds are 15% and +0.03. Local runs
+(16 judged steps): 2 ranks error 2.8–6.0% (floor 3.1–5.6%), imbalance online 0.054–0.071 vs
+profile 0.050–0.051 vs wrong γ 0.19–0.24; 4 ranks error 7.1–12.8% (floor 6.1–10.8%), imbalance
 0.064–0.069 vs 0.079–0.090 vs 0.30–0.34. A fit that only rescales the prior (mutation) fails:
 37% error.
 """
@@ -40,8 +46,9 @@ from knapformer.testing import run_distributed
 from tests import loop_workers as W
 
 N = 16
-JUDGED = 16
+JUDGED = 32
 NOISE_ALLOWANCE = 0.08
+ATTEMPTS = 2
 
 
 def _online_errors(records: list[dict]) -> np.ndarray:
@@ -94,42 +101,59 @@ def _held_out(evaluation: dict[str, list]) -> dict[str, dict]:
     return out
 
 
-def _no_worse(ev: dict, run: str, reference: str, margin: float) -> None:
-    """``run``'s measured imbalance is not significantly above ``reference``'s + ``margin``:
-    the mean of the paired per-batch differences ≤ margin + 2 standard errors."""
+def _no_worse(ev: dict, run: str, reference: str, margin: float) -> str:
+    """ "" if ``run``'s measured imbalance is not significantly above ``reference``'s +
+    ``margin`` (the mean of the paired per-batch differences ≤ margin + 2 standard errors),
+    else why."""
     d = np.asarray(ev[run]["imbalance"]) - np.asarray(ev[reference]["imbalance"])
     se = float(np.std(d, ddof=1) / np.sqrt(d.size))
-    assert d.mean() <= margin + 2 * se, (run, reference, d.round(3).tolist(), se, ev)
+    return "" if d.mean() <= margin + 2 * se else f"{run} imbalance − {reference}'s: {d.round(3).tolist()}, se {se:.3f}"
+
+
+def _timing_problems(res: list[dict], world: int, max_error: float, margin: float) -> list[str]:
+    """The measured thresholds of the module docstring; what fails (empty: all hold)."""
+    first = res[0]
+    ev = _held_out(first["eval"])
+    problems = []
+    # γ 10x too large: the online model learns the real costs ...
+    for run, speeds in (("online", False), ("slow_online", True)):
+        err = float(np.median(_online_errors(first[run])))
+        floor = _hindsight_floor(first[run], rank_speed=speeds)
+        if err > max(max_error, floor + NOISE_ALLOWANCE):
+            problems.append(f"{run}: median error {err:.3f}, in-hindsight floor {floor:.3f}")
+    # ... and balances like the profile, where the wrong γ frozen balances far worse (so these
+    # batches can tell the two apart)
+    problems.append(_no_worse(ev, "online", "offline", margin))
+    mean = {name: float(np.mean(v["imbalance"])) for name, v in ev.items()}
+    if not mean["wrong"] > mean["offline"] + 0.05:
+        problems.append(f"wrong γ balances like the profile: {mean}")
+    if not mean["online"] < 0.5 * mean["wrong"]:
+        problems.append(f"online not clearly better than wrong γ: {mean}")
+    # one rank twice as slow: its imbalance at least halved, and no worse than the profile's
+    problems.append(_no_worse(ev, "slow_online", "slow_offline", margin))
+    if not mean["slow_online"] < 0.5 * mean["slow_offline"]:
+        problems.append(f"slow rank not relieved: {mean}")
+    return [p for p in problems if p]
 
 
 @pytest.mark.parametrize("world, max_error, margin", [(2, 0.10, 0.02), (4, 0.15, 0.03)])
 def test_online_recalibration_from_a_wrong_gamma_and_a_slow_rank(world, max_error, margin):
-    res = run_distributed(W.check_recalibration, world, N + JUDGED, timeout=600)
-    first = res[0]
-    for run in ("online", "slow_online"):
-        assert len(first[run]) == N + JUDGED  # one record per step (the last completed by flush)
-        # every rank holds the identical model every step
-        for i in range(len(first[run])):
-            assert len({r[run][i]["digest"] for r in res}) == 1, (run, i)
-    ev = _held_out(first["eval"])
-    # γ 10x too large: the online model learns the real costs ...
-    errors = _online_errors(first["online"])
-    assert errors.size == world * JUDGED
-    floor = _hindsight_floor(first["online"])
-    assert np.median(errors) <= max(max_error, floor + NOISE_ALLOWANCE), (float(np.median(errors)), floor, ev)
-    # ... and balances like the profile, where the wrong γ frozen balances far worse (so these
-    # batches can tell the two apart)
-    _no_worse(ev, "online", "offline", margin)
-    assert np.mean(ev["wrong"]["imbalance"]) > np.mean(ev["offline"]["imbalance"]) + 0.05, ev
-    assert np.mean(ev["online"]["imbalance"]) < 0.5 * np.mean(ev["wrong"]["imbalance"]), ev
-    # one rank twice as slow: its speed is estimated and it gets less work
-    speeds = first["slow_online"][-1]["rank_speed"]
-    assert speeds[world - 1] < 0.8 * min(speeds[: world - 1]), speeds
-    errors = _online_errors(first["slow_online"])
-    floor = _hindsight_floor(first["slow_online"], rank_speed=True)
-    assert np.median(errors) <= max(max_error, floor + NOISE_ALLOWANCE), (float(np.median(errors)), floor, ev)
-    _no_worse(ev, "slow_online", "slow_offline", margin)
-    assert np.mean(ev["slow_online"]["imbalance"]) < 0.5 * np.mean(ev["slow_offline"]["imbalance"]), ev
+    failed = []
+    for _ in range(ATTEMPTS):
+        res = run_distributed(W.check_recalibration, world, N + JUDGED, timeout=600)
+        first = res[0]
+        for run in ("online", "slow_online"):  # exact properties: every attempt
+            assert len(first[run]) == N + JUDGED  # one record per step (the last completed by flush)
+            for i in range(len(first[run])):  # every rank holds the identical model every step
+                assert len({r[run][i]["digest"] for r in res}) == 1, (run, i)
+            assert _online_errors(first[run]).size == world * JUDGED
+        speeds = first["slow_online"][-1]["rank_speed"]  # the slow rank's speed is estimated
+        assert speeds[world - 1] < 0.8 * min(speeds[: world - 1]), speeds
+        problems = _timing_problems(res, world, max_error, margin)
+        if not problems:
+            return
+        failed.append(problems)
+    pytest.fail(f"measured thresholds failed in all {ATTEMPTS} attempts: {failed}")
 
 
 @pytest.mark.parametrize("world", [2])
