@@ -3,6 +3,7 @@ the balancer timing itself, refitting its cost model online, and reporting telem
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -102,8 +103,6 @@ def evaluate(rank: int, world: int, runs: dict[str, tuple[BalancerConfig, int | 
     them alike), each batch's plan ``EVAL_REPEATS`` times. Returns per run and batch the
     predicted seconds (None for a model in cost units) and every repeat's measured seconds of
     all ranks."""
-    import dataclasses
-
     state = {}
     for name, (config, slow) in runs.items():
         torch.manual_seed(0)
@@ -130,8 +129,6 @@ def check_recalibration(rank: int, world: int, steps: int) -> dict:
     twice as slow) the calibrated profile with speed estimation; then their final settings and
     the offline profile's (without and with the slow rank) are measured together on held-out
     batches (:func:`evaluate`). With a core per rank, each rank is pinned to its own."""
-    import dataclasses
-
     from knapformer.testing import keep_freed_memory, pin_to_core
 
     keep_freed_memory()  # page faults of re-grown buffers otherwise add spikes to a rank's CPU time
