@@ -4,6 +4,10 @@ collectives per call, bytes sent vs the minimum, and what the cross-rank checks 
     python benchmarks/route_overhead.py [--ranks 2 4] [--iters 7] [--out runs/bench/route_overhead.json]
     python benchmarks/route_overhead.py --baseline OLD.json   # ratios vs a run of another checkout
 
+Separate runs drift more on this VM than the executors differ: for the time against the
+bag-only executor use ``benchmarks/pre_post_ab.py --baseline c97b554`` (paired calls in the
+same ranks).
+
 Cases (the same data on every rank count: paper-mixres scaled down 4×, 1,024-dim tokens in bf16
 plus an int64 feature routed in the same call; attention with 8 heads of 32 in fp32):
 

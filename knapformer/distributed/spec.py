@@ -144,15 +144,19 @@ class UlyssesLayout:
 
     def indices_on(self, device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """(pre gathers, post scatters, cu_seqlens) as tensors on ``device``, cached. With one
-        degree the post scatter is a permutation; its inverse is appended to the scatters (a
-        gather is cheaper than a scatter)."""
+        degree the post scatter is a permutation of every send row, and the pre gather one of
+        every received row; their inverses are appended (then forward and backward are both
+        gathers, cheaper than scattering into a fresh buffer)."""
         key = str(device)
         if key not in self._device_cache:
+            gathers = [torch.from_numpy(a).to(device) for a in self.pre_gather]
             scatters = [torch.from_numpy(a).to(device) for a in self.post_scatter]
             if len(scatters) == 1:
                 scatters.append(torch.argsort(scatters[0]))
+            if len(gathers) == 1 and self.pre_rows and gathers[0].numel() == sum(self.pre_recv) // self.pre_rows:
+                gathers.append(torch.argsort(gathers[0]))
             self._device_cache[key] = (
-                [torch.from_numpy(a).to(device) for a in self.pre_gather],
+                gathers,
                 scatters,
                 [torch.tensor(c, dtype=torch.int32, device=device) for c in self.cu_seqlens],
             )
