@@ -73,14 +73,15 @@ def check_overlapping_groups(rank: int, world: int, heads: int, kv_heads: int, s
     return seen
 
 
-def check_auto_balancer(rank: int, world: int, heads: int, steps: int, seed: int) -> dict:
-    """Layout ``auto`` planned inside the balancer (communication priced): the same exactness."""
+def check_auto_balancer(rank: int, world: int, heads: int, steps: int, seed: int, priced: bool = True) -> dict:
+    """Layout ``auto`` planned inside the balancer (communication priced unless ``priced`` is
+    False, which lets small groups use sizes that do not divide them): the same exactness."""
     from knapformer.plan.cost import LinkModel
 
     model = WorkloadModel(d_model=heads * 4, num_heads=heads)
-    link = LinkModel(intra_bw=1e9, inter_bw=1e9, gpus_per_node=world, units_per_second=1e9)
+    link = LinkModel(intra_bw=1e9, inter_bw=1e9, gpus_per_node=world, units_per_second=1e9) if priced else None
     bal = SequenceBalancer("auto", model, link=link)
-    seen = {"mixed_rank": False, "idle_rank": False, "partition": []}
+    seen = {"mixed_rank": False, "idle_rank": False, "partition": [], "sizes": set()}
     for step in range(steps):
         rng = np.random.default_rng(seed + step)
         lens = [
@@ -90,6 +91,7 @@ def check_auto_balancer(rank: int, world: int, heads: int, steps: int, seed: int
         lens[0] += [300 + 20 * step]  # one long sequence every step
         plan = bal.plan(lens[rank])
         seen["partition"].append(plan.is_partition)
+        seen["sizes"] |= set(plan.group_sizes().tolist())
         _check_step(bal, plan, rank, heads, heads, seed + step, seen)
     return seen
 

@@ -218,3 +218,26 @@ def test_paper_solver_refuses_to_break_the_cap():
     plan = plan_sequences(lens, "g1n4", model, max_tokens_per_rank=190)
     plan.validate()
     assert plan.tokens_per_rank().max() <= 190
+
+
+@pytest.mark.parametrize("S", [3, 5, 6, 7])
+def test_auto_splits_over_sizes_that_do_not_divide_a_small_group(S):
+    """With 8 heads, 3/5/6/7 ranks have few sizes that divide both the heads and the group; a
+    long sequence still goes to a group of 2 or 4 consecutive ranks (no link model), and the
+    plan beats every rank running its own sequences by far. With a link model (nodes), sizes
+    stay aligned."""
+    from knapformer.plan.cost import LinkModel
+
+    model = WorkloadModel(d_model=64, num_heads=8)
+    lens = [[4000, 20]] + [[30, 10] for _ in range(S - 1)]
+    auto = plan_sequences(lens, "auto", model)
+    auto.validate()
+    alone = plan_sequences(lens, f"g1n{S}", model)
+    sizes = set(auto.group_sizes().tolist())
+    assert sizes & {2, 4} and all(8 % k == 0 for k in sizes), sizes
+    assert auto.makespan <= 0.55 * alone.makespan, (auto.makespan, alone.makespan)
+    for g in auto.bags:  # consecutive ranks
+        assert list(g) == list(range(min(g), min(g) + len(g))), g
+    link = LinkModel(intra_bw=1e9, inter_bw=1e9, gpus_per_node=S, units_per_second=1e9)
+    priced = plan_sequences(lens, "auto", model, link=link)
+    assert all(S % k == 0 for k in priced.group_sizes().tolist())

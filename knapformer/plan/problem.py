@@ -27,6 +27,7 @@ __all__ = [
     "MAX_TOTAL_TOKENS",
     "PlanProblem",
     "SolverOptions",
+    "UNALIGNED_UP_TO",
     "moldable_lower_bound",
     "spread_over_groups",
     "sum_by",
@@ -38,6 +39,11 @@ MAX_SEQ_LEN = 2**31 - 1
 """Longest sequence accepted: attention kernels index tokens with int32 ``cu_seqlens``."""
 MAX_TOTAL_TOKENS = 2**53
 """Most tokens one group may hold in a step: costs are float64, exact for integers below this."""
+UNALIGNED_UP_TO = 8
+"""``auto`` also uses group sizes that do not divide the group up to this many ranks (and no
+link model): small odd groups have few dividing sizes, large ones enough aligned blocks. (Its
+fixed-layout candidates then include mixed layouts such as g3n1+g4n1; beyond 8 ranks their
+number would grow too fast for a per-step planner.)"""
 
 
 def _is_int(v: object) -> bool:
@@ -224,16 +230,18 @@ class PlanProblem:
     @cached_property
     def degrees(self) -> tuple[int, ...]:
         """Group sizes a sequence may run on: the bag sizes, or for ``auto`` every k that
-        divides the group (aligned blocks), respects ``max_degree``, splits the heads (k | h,
-        and k | h_kv or h_kv | k; power-of-two k ≤ 8 when the cost model has no head count)
-        and stays inside a node or spans whole ones (with a link model)."""
+        respects ``max_degree``, splits the heads (k | h, and k | h_kv or h_kv | k; power-of-two
+        k ≤ 8 when the cost model has no head count), and either divides the group (aligned
+        blocks) and stays inside a node or spans whole ones (with a link model), or — in groups
+        of up to :data:`UNALIGNED_UP_TO` ranks without a link model — does not divide it (then
+        any k consecutive ranks): 3 ranks with 8 heads may still split a long sequence in 2."""
         if not self.auto:
             return tuple(sorted({len(b) for b in self.bags}))
         S, kmax = self.num_ranks, self.layout.max_degree or self.num_ranks
         h, h_kv = self.model.num_heads, self.model.num_kv_heads or self.model.num_heads
         out = []
         for k in range(1, min(S, kmax) + 1):
-            if S % k:
+            if S % k and (self.link is not None or S > UNALIGNED_UP_TO):
                 continue
             if h is None and (k & (k - 1) or k > 8):
                 continue

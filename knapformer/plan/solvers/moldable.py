@@ -9,8 +9,9 @@ so sharding is free only when communication is. The planner:
    degree with the lowest per-member cost): short sequences stay whole, long ones are split
    just enough.
 2. **Groups.** Multi-rank sequences, largest per-member cost first, go to the aligned block of
-   k ranks (inside a node, or whole nodes when k exceeds a node) with the earliest finish of
-   its busiest member (ties: a block holding the sequence's source rank, then the lowest).
+   k ranks (inside a node, or whole nodes when k exceeds a node; any k consecutive ranks when
+   k does not divide a small group) with the earliest finish of its busiest member (ties: a
+   block holding the sequence's source rank, then the lowest).
 3. **Whole sequences** fill the ranks around them by earliest-finish LPT (exact insertion for
    the largest and smallest, vectorised rounds for the middle) and a local search moves and
    swaps them off the critical rank.
@@ -69,7 +70,10 @@ def member_costs(problem: PlanProblem) -> tuple[tuple[int, ...], np.ndarray]:
 
 
 def _blocks(S: int, k: int) -> np.ndarray:
-    """(S/k, k) aligned blocks of k consecutive ranks."""
+    """(S/k, k) aligned blocks of k consecutive ranks; when k does not divide S (small groups,
+    see ``PlanProblem.degrees``) every window of k consecutive ranks, (S - k + 1, k)."""
+    if S % k:
+        return np.arange(S - k + 1, dtype=np.int64)[:, None] + np.arange(k, dtype=np.int64)
     return np.arange(S, dtype=np.int64).reshape(S // k, k)
 
 
@@ -162,7 +166,7 @@ def fixed_layouts(problem: PlanProblem) -> list[str]:
     mixed, sizes ascending over contiguous ranks) up to ``_FIXED_ALL_UP_TO`` ranks, else the
     uniform ones."""
     S, D = problem.num_ranks, problem.degrees
-    uniform = [f"g{k}n{S // k}" for k in D]
+    uniform = [f"g{k}n{S // k}" for k in D if S % k == 0]
     if S > _FIXED_ALL_UP_TO:
         return uniform
     out = []
