@@ -41,9 +41,7 @@ MAX_TOTAL_TOKENS = 2**53
 """Most tokens one group may hold in a step: costs are float64, exact for integers below this."""
 UNALIGNED_UP_TO = 8
 """``auto`` also uses group sizes that do not divide the group up to this many ranks (and no
-link model): small odd groups have few dividing sizes, large ones enough aligned blocks. (Its
-fixed-layout candidates then include mixed layouts such as g3n1+g4n1; beyond 8 ranks their
-number would grow too fast for a per-step planner.)"""
+link model): small odd groups have few dividing sizes, large ones enough aligned blocks."""
 
 
 def _is_int(v: object) -> bool:
