@@ -27,6 +27,19 @@ def write_json(path: str | Path, rows: list[dict], **meta) -> None:
     print(f"\nwrote {path}")
 
 
+MIXRES_RANKS = {2: [0, 28], 4: [0, 16, 20, 28]}
+"""Which ranks of paper-mixres (32 ranks, scaled 4×) the exchange benchmarks keep: the
+low-res end ... the 2048² end, so that a bag plan moves and splits real sequences."""
+
+
+def mixres_rank_lens(world: int) -> list[list[int]]:
+    """Per rank: the sequence lengths of :data:`MIXRES_RANKS` (2 or 4 ranks)."""
+    from knapformer.data import sample_seq_lens
+
+    mix = sample_seq_lens("paper-mixres", scale=4, seed=0)
+    return [mix[r] for r in MIXRES_RANKS[world]]
+
+
 def demo_rank(rank: int, world: int):
     """One CPU rank of the demo (the simulator's defaults): one pinned thread, freed memory
     kept, the same model weights on every rank, and a balancer with one bag of all ranks.

@@ -50,14 +50,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from _common import print_table, write_json  # noqa: E402
+from _common import mixres_rank_lens, print_table, write_json  # noqa: E402
 
 from knapformer.testing import run_distributed  # noqa: E402
 
 BASE = "knapformer_baseline"
 HEADS, HEAD_DIM = 8, 32
 OPS = ("pre", "post", "trip")
-CASES = {2: ("g2n1", [0, 28]), 4: ("g1n2+g2n1", [0, 16, 20, 28])}
+LAYOUTS = {2: "g2n1", 4: "g1n2+g2n1"}
 
 
 def stage_baseline(ref: str, into: Path) -> Path:
@@ -112,16 +112,13 @@ def _faults() -> int:
 def worker(rank: int, world: int, staged: str, iters: int, seed: int, keep_memory: bool) -> dict:
     sys.path.insert(0, staged)
     import knapformer
-    from knapformer.data import sample_seq_lens
     from knapformer.testing import keep_freed_memory
 
     base = __import__(BASE)
     torch.set_num_threads(1)
     if keep_memory:
         keep_freed_memory()
-    layout, ranks_of = CASES[world]
-    mix = sample_seq_lens("paper-mixres", scale=4, seed=0)
-    lens = [mix[r] for r in ranks_of][rank]
+    layout, lens = LAYOUTS[world], mixres_rank_lens(world)[rank]
     fns, plans, routed = {}, [], []
     torch.manual_seed(0)
     x = torch.randn(sum(lens), 4)
@@ -162,7 +159,7 @@ def worker(rank: int, world: int, staged: str, iters: int, seed: int, keep_memor
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--baseline", required=True, help="a git revision of this repository or a checkout folder")
-    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4], choices=sorted(CASES))
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4], choices=sorted(LAYOUTS))
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0, help="of the call order")
     ap.add_argument(

@@ -42,11 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from _common import print_table, write_json  # noqa: E402
+from _common import mixres_rank_lens, print_table, write_json  # noqa: E402
 
 from knapformer import SequenceBalancer, WorkloadModel  # noqa: E402
 from knapformer.attention import varlen_attention  # noqa: E402
-from knapformer.data import sample_seq_lens  # noqa: E402
 from knapformer.distributed import ops  # noqa: E402
 from knapformer.distributed.agree import agree  # noqa: E402
 from knapformer.distributed.spec import member_heads  # noqa: E402
@@ -72,15 +71,10 @@ def _counting(counter: dict):
     return wrapped
 
 
-def _lens(world: int) -> list[list[int]]:
-    mix = sample_seq_lens("paper-mixres", scale=4, seed=0)
-    return [mix[r] for r in ([0, 28] if world == 2 else [0, 16, 20, 28])]  # low-res ... 2048² ranks
-
-
 def mixed_plan(world: int, model: WorkloadModel):
     """Every rank keeps its short sequences alone; each long sequence goes to a group of 2
     (and on 4 ranks the longest to a group of 4) whose members differ from sequence to sequence."""
-    lens = _lens(world)
+    lens = mixres_rank_lens(world)
     groups, seq_group = [], []
     flat = sorted(((n, r, i) for r, row in enumerate(lens) for i, n in enumerate(row)), reverse=True)
     long = {(r, i): j for j, (_, r, i) in enumerate(flat[: max(2, len(flat) // 4)])}
@@ -121,7 +115,7 @@ def ulysses_min_bytes(plan, rank: int, h: int, h_kv: int, d: int, dv: int, elem:
 def worker(rank: int, world: int, case: str, iters: int) -> dict:
     model = WorkloadModel(d_model=FEAT)
     bal = SequenceBalancer(f"g{world}n1" if world == 2 else "g1n2+g2n1", model)
-    lens = _lens(world)
+    lens = mixres_rank_lens(world)
     if case == "bags":
         plan = bal.plan(lens[rank])
     else:

@@ -135,12 +135,24 @@ class UlyssesLayout:
     attn_tokens: tuple[int, ...]
     replicated: bool
     """Some kv head goes to several members (h_kv divides a group size): gradients add up."""
-    one_group: tuple[int, int, int, tuple[int, ...]] | None
-    """(lo, hi, k, member position of each peer in ascending rank order) when this rank's
-    multi-rank rows are one group whose members each get distinct kv heads (every bag layout):
-    the slots are then one (k, rows, width) block, packed with one strided ``cat`` as the bag
-    executor did."""
+    one_group: tuple[int, tuple[int, ...]] | None
+    """(k, member position of each peer in ascending rank order) when all of this rank's
+    multi-rank rows (routed rows ``local_tokens:``) are one group whose members each get
+    distinct kv heads (every bag layout): the slots are then one (k, rows, width) block, packed
+    with one strided ``cat`` as the bag executor did."""
     _device_cache: dict = field(default_factory=dict, repr=False)
+
+    def member_order_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``one_group``'s member positions and their inverse as index tensors on ``device``
+        (cached), or None when the peers are the members in order (no reordering)."""
+        k, order = self.one_group  # type: ignore[misc]
+        if order == tuple(range(k)):
+            return None
+        key = ("order", str(device))
+        if key not in self._device_cache:
+            index = torch.tensor(order, device=device)
+            self._device_cache[key] = (index, torch.argsort(index))
+        return self._device_cache[key]
 
     def indices_on(self, device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """(pre gathers, post scatters, cu_seqlens) as tensors on ``device``, cached. With one
@@ -420,9 +432,9 @@ def _ulysses_layout(spec: RouteSpec, h: int, h_kv: int, d: int, dv: int) -> Ulys
         maxes.append(max(seq_lens, default=0))
         tokens.append(int(lens.sum()))
     one_group = None
-    if len(multi) == 1 and h_kv % multi[0][1].degree == 0 and multi[0][1].hi > multi[0][1].lo:
-        e = multi[0][1]
-        one_group = (e.lo, e.hi, e.degree, tuple(e.members.index(r) for r in sorted(e.members)))
+    e = multi[0][1] if len(multi) == 1 else None
+    if e is not None and h_kv % e.degree == 0 and e.lo == spec.local_tokens < e.hi == spec.num_routed:
+        one_group = (e.degree, tuple(e.members.index(r) for r in sorted(e.members)))
     return UlyssesLayout(
         degrees=degrees,
         widths=tuple(W[k] for k in degrees),

@@ -101,23 +101,22 @@ class _Pack(torch.autograd.Function):
         return None, None, None, *grads
 
 
-def _by_member(t: torch.Tensor, k: int, order) -> torch.Tensor:
-    """(n, h, D) -> (k, n, h/k·D): a view by member (head group), in ascending peer rank order."""
+def _by_member(t: torch.Tensor, k: int, order: torch.Tensor | None) -> torch.Tensor:
+    """(n, h, D) -> (k, n, h/k·D): a view by member (head group), in ascending peer rank order
+    (``order``: member position of each peer; None when they coincide)."""
     n, h, d = t.shape
     x = t.reshape(n, k, (h // k) * d)
-    if list(order) != list(range(k)):
-        x = x.index_select(1, torch.tensor(order, device=t.device))
+    if order is not None:
+        x = x.index_select(1, order)
     return x.transpose(0, 1)
 
 
-def _from_members(x: torch.Tensor, k: int, order, shape) -> torch.Tensor:
-    """Inverse of :func:`_by_member`: (k, n, w) blocks in peer order -> (n, h, D) (one copy)."""
+def _from_members(x: torch.Tensor, inverse: torch.Tensor | None, shape) -> torch.Tensor:
+    """Inverse of :func:`_by_member` (``inverse``: the inverse permutation of its ``order``):
+    (k, n, w) blocks in peer order -> (n, h, D) (one copy)."""
     x = x.transpose(0, 1)
-    if list(order) != list(range(k)):
-        inverse = [0] * k
-        for i, j in enumerate(order):
-            inverse[j] = i
-        x = x.index_select(1, torch.tensor(inverse, device=x.device))
+    if inverse is not None:
+        x = x.index_select(1, inverse)
     return x.reshape(shape)
 
 
@@ -188,7 +187,7 @@ class UlyssesCall:
     batches: list[AttnBatch]
     heads: tuple[int, int, int, int]
     """(h, h_kv, D, Dv) of this layer."""
-    received: torch.Tensor | None
+    anchor: torch.Tensor | None
     """An empty tensor that hangs off the pre-attention exchange in the autograd graph (None
     when the plan has no multi-rank group): a rank with nothing to send back still joins the
     backward exchanges through it. Not a view: holding the receive buffer itself would keep a
@@ -214,10 +213,9 @@ def pre_attn_batches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Ro
     if spec.local_seq_lens:
         batches.append(AttnBatch(1, q1, k1, v1, idx["local_cu_seqlens"], max(spec.local_seq_lens)))
     if lay.one_group is not None:  # one (k, rows, width) block (every bag layout): one strided cat
-        r0, r1, g, order = lay.one_group
-        full = r0 == n1 and r1 == R  # (a slice's backward would copy into zeros)
-        parts = [_by_member(t if full else t[r0 - n1 : r1 - n1], g, order) for t in (qm, km, vm)]
-        send = torch.cat(parts, dim=-1).view(-1)
+        order = lay.member_order_on(q.device)
+        index = None if order is None else order[0]
+        send = torch.cat([_by_member(t, lay.one_group[0], index) for t in (qm, km, vm)], dim=-1).view(-1)
     else:
         send = _Pack.apply(lay, n1, lay.replicated, qm, km, vm)
     recv = all_to_all(send, lay.pre_send, lay.pre_recv, group)
@@ -239,7 +237,7 @@ def pre_attn_batches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Ro
 
 def post_attn_batches(call: UlyssesCall, outs: list[torch.Tensor], spec: RouteSpec, group=None) -> torch.Tensor:
     """Outputs of ``call.batches`` (each (A_k, h/k, Dv)) -> (R, h, Dv) in routed order."""
-    if call.received is None:
+    if call.anchor is None:
         return outs[0]
     h, h_kv, d, dv = call.heads
     lay = spec.ulysses(h, h_kv, d, dv)
@@ -255,13 +253,14 @@ def post_attn_batches(call: UlyssesCall, outs: list[torch.Tensor], spec: RouteSp
     else:
         # nothing to send back; the empty buffer still hangs off the pre exchange so that this
         # rank joins both backward exchanges the other ranks are in
-        send = call.received.to(outs[0].dtype) if outs else call.received
+        send = call.anchor.to(outs[0].dtype) if outs else call.anchor
     recv = all_to_all(send, lay.post_send, lay.post_recv, group)
     n1 = spec.local_tokens
     shape = (spec.num_routed - n1, h, dv)
     if lay.one_group is not None:  # plain views and one copy; autograd needs no custom step
-        r0, r1, g, order = lay.one_group
-        out_m = _from_members(recv.view(g, r1 - r0, -1), g, order, shape)
+        order = lay.member_order_on(recv.device)
+        inverse = None if order is None else order[1]
+        out_m = _from_members(recv.view(lay.one_group[0], shape[0], -1), inverse, shape)
     else:
         out_m = _Unpack.apply(lay, n1, shape, recv)
     return torch.cat([local[0], out_m]) if local else out_m
@@ -298,7 +297,7 @@ def flatten_pairs(call: UlyssesCall):
         return b.q, b.k, b.v, b.cu_seqlens, b.max_len
     if not call.batches:  # a rank with no sequences this step: empty, but in the graph
         h, h_kv, d, dv = call.heads
-        z = call.received
+        z = call.anchor
         cu = torch.zeros(1, dtype=torch.int32, device=z.device)
         return z.view(0, 1, d), z.view(0, 1, d), z.view(0, 1, dv), cu, 0
     qs, ks, vs, lens = [], [], [], []
