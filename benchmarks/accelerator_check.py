@@ -97,11 +97,11 @@ def _torch_varlen():
 
 # -- part 1 -------------------------------------------------------------------------------------------
 def part_attention(smoke: bool) -> dict:
-    from knapformer.attention import BACKENDS, available_backends
+    from knapformer.attention import BACKENDS, available_backends, get_backend
     from knapformer.testing import reference_attention
 
     device = torch.device("cpu") if smoke else _cuda()
-    usable = {n: fn for n, fn in BACKENDS.items() if available_backends(device)[n] is None}
+    usable = {n: get_backend(n).attend for n in BACKENDS if available_backends(device)[n] is None}
     reasons = {n: r for n, r in available_backends(device).items() if r}
     tv = _torch_varlen()
     if tv is not None and device.type == "cuda":

@@ -59,7 +59,7 @@ def subset_bound(lens, layout, model, m, seconds):
     except TimeoutError:
         return None
     p = PlanProblem(seq_lens=sub, layout=layout, model=model)
-    load = np.bincount(plan.seq_bag, weights=p.work, minlength=len(p.bags))
+    load = np.bincount(plan.seq_group, weights=p.work, minlength=len(p.bags))
     return float((load / p.bag_capacity).max())
 
 

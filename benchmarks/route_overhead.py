@@ -21,15 +21,14 @@ for pre attention, each member's own tokens of each group × the heads of every 
 (q, k, v), for post attention the same for the outputs. ``attention (per degree)`` is one
 varlen call per parallel degree (what ``SequenceBalancer.attention`` runs); ``attention
 (pairs)`` is pre_attn's single flattened call over (sequence, head) pairs for custom kernels.
-``agree`` is the flag exchange that precedes every route (one tiny all-reduce: error flag, plan
-digest, dtype/shape digest); ``pre_attn debug`` adds the per-layer agreement of ``debug=True``.
+``agree`` is the agreement that precedes every exchange (one tiny all-reduce: error flag, the
+call and its index, plan digest, dtype/shape digest); ``pre_attn``/``post_attn`` include theirs.
 Times are per-rank medians of thread CPU time over ``--iters`` (2 ranks share 2 cores; 4 time-share).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -47,8 +46,8 @@ from _common import mixres_rank_lens, print_table, write_json  # noqa: E402
 from knapformer import SequenceBalancer, WorkloadModel  # noqa: E402
 from knapformer.attention import varlen_attention  # noqa: E402
 from knapformer.distributed import ops  # noqa: E402
-from knapformer.distributed.agree import agree  # noqa: E402
-from knapformer.distributed.spec import member_heads  # noqa: E402
+from knapformer.distributed.agree import Call, agree  # noqa: E402
+from knapformer.distributed.ulysses import member_heads  # noqa: E402
 from knapformer.plan import plan_from_groups  # noqa: E402
 from knapformer.testing import run_distributed  # noqa: E402
 
@@ -96,11 +95,11 @@ def mixed_plan(world: int, model: WorkloadModel):
 def ulysses_min_bytes(plan, rank: int, h: int, h_kv: int, d: int, dv: int, elem: int) -> tuple[int, int]:
     """(pre, post) bytes this rank must send to other members, from the plan alone."""
     pre = post = 0
-    for g, members in enumerate(plan.bags):
+    for g, members in enumerate(plan.groups):
         k = len(members)
         if k == 1 or rank not in members:
             continue
-        sel = np.flatnonzero(plan.seq_bag[plan.chunk_gid] == g)
+        sel = np.flatnonzero(plan.seq_group[plan.chunk_gid] == g)
         mine = int(plan.chunks[sel[plan.chunks[sel, 4] == rank], 3].sum())  # my tokens of this group
         for j, m in enumerate(members):
             if m == rank:
@@ -141,7 +140,7 @@ def worker(rank: int, world: int, case: str, iters: int) -> dict:
     y, yid = measure("route", lambda: bal.route(x, ids))
     measure("reverse", lambda: bal.reverse_route(y, yid))
     q = torch.randn(y.shape[0], HEADS, HEAD_DIM)
-    call = bal._pre(q, q, q)  # agree this step's attention shapes once, as the first layer does
+    call = bal._pre(q, q, q)  # a layer's pre exchange (its agreement included)
     measure("pre_attn", lambda: bal._pre(q, q, q))
     measure(
         "attention (per degree)",
@@ -153,11 +152,7 @@ def worker(rank: int, world: int, case: str, iters: int) -> dict:
 
     fq, fk, fv, fcu, fmax = ulysses.flatten_pairs(call)
     measure("attention (pairs)", lambda: varlen_attention(fq, fk, fv, fcu, fmax))
-    measure("agree", lambda: agree(bal.group, "bench", "", {"plan": 12345, "dtypes": 678}))
-    debug = SequenceBalancer(dataclasses.replace(bal.config, debug=True))
-    debug.use_plan(plan)
-    debug.route(x)
-    measure("pre_attn debug", lambda: debug._pre(q, q, q))
+    measure("agree", lambda: agree(bal.group, Call("bench", 0, 0, (("dtypes", "float32 (·, 4)"),))))
     bytes_per_token = FEAT * 2 + 8
     me = bal.group_rank
     sent_off = sum(int(c[3]) for c in plan.chunks if c[0] == me and c[4] != me) * bytes_per_token

@@ -60,7 +60,7 @@ for step in range(2):
     total = loss.detach().clone()
     dist.all_reduce(total)
     if dist.get_rank() == 0:
-        degrees = sorted(set(map(len, bal.current_plan.bags)))
+        degrees = sorted(set(map(len, bal.current_plan.groups)))
         print(f"step {step}: global mean loss {total.item():.4f}, group sizes this step {degrees}")
 import gc  # noqa: E402
 

@@ -1,10 +1,11 @@
 """knapformer: balance variable-length DiT training across GPUs.
 
 Main API: :class:`WorkloadModel` (cost of a sequence), :class:`BalancerConfig` (every
-balancer setting, validated), :func:`parse_layout` (bag specs),
-:func:`plan_sequences` / :class:`Plan` (pure planning), and :class:`SequenceBalancer`
-(routing and Ulysses attention over torch.distributed; imported lazily so that planning
-never imports torch).
+balancer setting, validated), :func:`parse_layout` (bag specs and ``auto``),
+:func:`plan_sequences` / :class:`Plan` (pure planning), :class:`SequenceBalancer` (routing
+and Ulysses attention over torch.distributed) and :class:`LocalExecutor` (the same contract
+in one process) — the last two imported lazily, so that planning never imports torch — and
+the errors the balancer raises on every rank.
 """
 
 from __future__ import annotations
@@ -12,16 +13,30 @@ from __future__ import annotations
 from typing import Any
 
 from knapformer.config import BalancerConfig
-from knapformer.layout import BagLayout, parse_layout
+from knapformer.errors import (
+    BalancerConfigError,
+    BalancerInputError,
+    DivergentCallError,
+    InvalidPlanError,
+    PlanMismatchError,
+)
+from knapformer.layout import AutoLayout, BagLayout, parse_layout
 from knapformer.plan import SOLVERS, Plan, PlanProblem, plan_sequences
 from knapformer.workload import WorkloadModel
 
 __all__ = [
     "SOLVERS",
+    "AutoLayout",
     "BagLayout",
     "BalancerConfig",
+    "BalancerConfigError",
+    "BalancerInputError",
+    "DivergentCallError",
+    "InvalidPlanError",
+    "PlanMismatchError",
     "Plan",
     "PlanProblem",
+    "LocalExecutor",
     "SequenceBalancer",
     "WorkloadModel",
     "parse_layout",
@@ -36,4 +51,8 @@ def __getattr__(name: str) -> Any:
         from knapformer.distributed.balancer import SequenceBalancer
 
         return SequenceBalancer
+    if name == "LocalExecutor":
+        from knapformer.executor import LocalExecutor
+
+        return LocalExecutor
     raise AttributeError(f"module 'knapformer' has no attribute {name!r}")

@@ -18,6 +18,7 @@ import math
 import os
 from dataclasses import dataclass, field, fields
 
+from knapformer.attention.registry import BACKEND_NAMES
 from knapformer.layout import AutoLayout, BagLayout, parse_layout
 from knapformer.plan import SolverOptions, default_solver, get_solver
 from knapformer.plan.cost import LinkModel
@@ -26,9 +27,8 @@ from knapformer.workload import WorkloadModel
 
 __all__ = ["ATTN_BACKENDS", "BalancerConfig"]
 
-ATTN_BACKENDS = ("auto", "sdpa", "sdpa_mask", "flash")
-"""Attention backend names (``knapformer.attention.BACKENDS`` plus ``auto``; a test keeps the two
-in step so this module stays torch-free)."""
+ATTN_BACKENDS = BACKEND_NAMES
+"""Attention backend names: the registry's (``knapformer.attention.registry``) plus ``auto``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,8 +55,8 @@ class BalancerConfig:
     rank_speed: tuple[float, ...] | None = None
     """Relative throughput of each rank of the group (a 0.5 rank gets half the work)."""
     attn_backend: str = "auto"
-    """Varlen attention kernel: ``auto`` (flash-attn on CUDA when importable, else SDPA), ``sdpa``,
-    ``sdpa_mask`` or ``flash``."""
+    """Varlen attention kernel: ``auto`` (flash-attn on CUDA when importable, else SDPA) or a name
+    of ``knapformer.attention.BACKENDS`` (``sdpa``, ``sdpa_mask``, ``flash``)."""
     debug: bool = False
     """Expensive checks: every per-layer call agrees on its shapes across ranks (a host sync
     per layer). Off, errors are still raised on every rank at the per-step agreement points."""

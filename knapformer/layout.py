@@ -66,10 +66,6 @@ class BagLayout:
             start += size
         return tuple(out)
 
-    @property
-    def max_bag_size(self) -> int:
-        return self.terms[-1][0]
-
     def spec(self) -> str:
         """Canonical spec string (round-trips through :func:`parse_layout`)."""
         return "+".join(f"g{g}n{n}" for g, n in self.terms)
@@ -89,11 +85,6 @@ class BagLayout:
         """Global ranks of each replica group (contiguous blocks)."""
         s = self.group_size
         return [list(range(r * s, (r + 1) * s)) for r in range(self.num_replicas(world_size))]
-
-    @classmethod
-    def single_rank(cls, num_ranks: int) -> BagLayout:
-        """``g1n{num_ranks}``: every rank its own bag (pure data parallel when nothing moves)."""
-        return cls(((1, num_ranks),))
 
     def __str__(self) -> str:
         return self.spec()

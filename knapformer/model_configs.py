@@ -1,6 +1,6 @@
 """Shapes and named presets of the reference models (torch-free: the cluster model and the
 CLI read them). Presets of integrated third-party models (diffusers) live with their
-integration; ``knapformer.tools.presets`` knows both.
+integration; ``knapformer.integrations.registry`` knows both.
 
 Main API: :class:`MMDiTConfig`, :class:`TransformerConfig`, :data:`PRESETS`, :func:`preset`.
 """
@@ -81,7 +81,7 @@ PRESETS: dict[str, MMDiTConfig | TransformerConfig] = {
 
 
 def preset(name: str) -> MMDiTConfig | TransformerConfig:
-    """A reference model's preset by name (``knapformer.tools.presets.preset`` also knows the
+    """A reference model's preset by name (``knapformer.integrations.registry.resolve_model`` also knows the
     integrations' presets)."""
     try:
         return PRESETS[name]

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Timing", "Fit", "fit_cost", "fit_paper_style", "check_lengths"]
+from knapformer.cost_terms import batch_features
+
+__all__ = ["Timing", "Fit", "check_lengths", "fit_cost", "fit_paper_style", "nonneg_lstsq"]
 
 
 @dataclass(frozen=True)
@@ -64,21 +66,22 @@ def check_lengths(lengths: object, name: str = "lengths") -> list[int]:
 
 
 def _design(timings: Sequence[Timing]) -> np.ndarray:
-    rows = []
-    for t in timings:
-        L = np.asarray(t.seq_lens, dtype=np.float64)
-        rows.append([L.sum(), (L * L).sum(), float(L.size), 1.0])
-    return np.asarray(rows)
+    """One row per timing: the cost terms' features (``COST_TERMS`` order), then 1 (per call)."""
+    return np.asarray([[*batch_features(t.seq_lens), 1.0] for t in timings])
 
 
-def _nonneg_lstsq(X: np.ndarray, y: np.ndarray, active: list[int]) -> np.ndarray:
+def nonneg_lstsq(X: np.ndarray, y: np.ndarray, active: Sequence[int]) -> np.ndarray:
+    """Least squares ``X·c ≈ y`` with ``c ≥ 0`` over the ``active`` columns (the others 0):
+    solve, drop the columns that came out negative, solve again (the active-set shortcut every
+    fit here uses: the offline calibrator and the online recalibration)."""
     coef = np.zeros(X.shape[1])
+    active = list(active)
     while active:
         sol, *_ = np.linalg.lstsq(X[:, active], y, rcond=None)
         if (sol >= 0).all():
             coef[active] = sol
             return coef
-        active = [j for j, v in zip(active, sol) if v >= 0] or []
+        active = [j for j, v in zip(active, sol) if v >= 0]
     return coef
 
 
@@ -93,7 +96,7 @@ def fit_cost(timings: Sequence[Timing], *, intercept: bool = True) -> Fit:
     X = _design(timings)
     y = np.asarray([t.seconds for t in timings])
     w = 1.0 / y
-    coef = _nonneg_lstsq(X * w[:, None], y * w, [0, 1, 2, 3] if intercept else [0, 1])
+    coef = nonneg_lstsq(X * w[:, None], y * w, [0, 1, 2, 3] if intercept else [0, 1])
     return Fit(a=float(coef[0]), b=float(coef[1]), c=float(coef[2]), d=float(coef[3]))
 
 
@@ -104,5 +107,5 @@ def fit_paper_style(timings: Sequence[Timing]) -> Fit:
         raise ValueError("the paper-style fit needs at least 2 single-sequence timings")
     X = _design(single)
     y = np.asarray([t.seconds for t in single])
-    coef = _nonneg_lstsq(X, y, [0, 1])
+    coef = nonneg_lstsq(X, y, [0, 1])
     return Fit(a=float(coef[0]), b=float(coef[1]), c=0.0)

@@ -151,7 +151,7 @@ def check_robustness(rank: int, world: int) -> list[str]:
         _expect(
             lambda: bal2.attention(q, q, q),
             ValueError,
-            f"3 attention heads cannot be split evenly over bag size {world}",
+            f"group {tuple(range(world))} of {world} ranks cannot split 3 attention heads evenly",
         )
     )
     # layout that does not tile the world
@@ -174,15 +174,15 @@ def relabel_plan(plan, perm):
     seq_lens = tuple(plan.seq_lens[inv[r]] for r in range(S))
     first_old = np.concatenate([[0], np.cumsum([len(r) for r in plan.seq_lens])])
     first_new = np.concatenate([[0], np.cumsum([len(r) for r in seq_lens])])
-    seq_bag = np.empty_like(plan.seq_bag)
+    seq_bag = np.empty_like(plan.seq_group)
     for r in range(S):
         n = len(plan.seq_lens[r])
-        seq_bag[first_new[perm[r]] : first_new[perm[r]] + n] = plan.seq_bag[first_old[r] : first_old[r] + n]
+        seq_bag[first_new[perm[r]] : first_new[perm[r]] + n] = plan.seq_group[first_old[r] : first_old[r] + n]
     ch = plan.chunks.copy()
     ch[:, 0], ch[:, 4] = np.asarray(perm)[ch[:, 0]], np.asarray(perm)[ch[:, 4]]
     ch = ch[np.lexsort((ch[:, 2], ch[:, 1], ch[:, 0]))]
-    bags = tuple(tuple(int(perm[r]) for r in b) for b in plan.bags)
-    return dataclasses.replace(plan, seq_lens=seq_lens, seq_bag=seq_bag, chunks=ch, bags=bags)
+    bags = tuple(tuple(int(perm[r]) for r in b) for b in plan.groups)
+    return dataclasses.replace(plan, seq_lens=seq_lens, seq_group=seq_bag, chunks=ch, groups=bags)
 
 
 def check_arbitrary_groups(rank: int, world: int, seed: int) -> dict:
@@ -207,8 +207,8 @@ def check_arbitrary_groups(rank: int, world: int, seed: int) -> dict:
         q, k, v = (torch.randn(total, HEADS, HEAD_DIM, generator=gen, dtype=torch.float64) for _ in range(3))
         ref = reference_attention(q, k, v, [n for r in lens for n in r])[mine]
         o = bal.reverse_route(bal.attention(*bal.route(q[mine], k[mine], v[mine])))
-        _close(o, ref, f"attention with bags {plan.bags}", 1e-10)
-        out[step] = plan.bags
+        _close(o, ref, f"attention with bags {plan.groups}", 1e-10)
+        out[step] = plan.groups
     return out
 
 

@@ -78,8 +78,8 @@ def case_route_trailing_shape_differs(rank, world, bal):
 
 
 def case_pre_attn_row_too_long(rank, world, bal):
-    """Layer 1 is fine (agrees the step's attention shapes); layer 2 has one row too many on
-    rank 0: it joins the exchange with zeros and every rank raises at reverse_route."""
+    """Layer 1 is fine; layer 2 has one row too many on rank 0: every rank raises at that
+    layer's pre_attn, before its exchange."""
     bal.plan(_lens(rank))
     y = bal.route(torch.zeros(sum(_lens(rank)), 2))
     R = y.shape[0]
@@ -272,13 +272,13 @@ EXPECTED = {
     "case_group_sizes_differ": (BalancerConfigError, "'layout' differs on rank(s)"),
     "case_cap_differs": (BalancerConfigError, "'max_tokens_per_rank' differs on rank(s) [1]"),
     "case_bad_setting_on_one_rank": (BalancerConfigError, "invalid settings on rank(s) [1]"),
-    "case_route_dtype_differs": (BalancerInputError, "dtypes and shapes differs on rank(s) [1]"),
-    "case_route_trailing_shape_differs": (BalancerInputError, "dtypes and shapes differs on rank(s)"),
-    "case_pre_attn_row_too_long": (BalancerInputError, "SequenceBalancer.reverse_route: bad input on rank(s) [0]"),
+    "case_route_dtype_differs": (BalancerInputError, "argument 0: float32 (·, 3) on rank"),
+    "case_route_trailing_shape_differs": (BalancerInputError, "ranks disagree before data moves: argument 0: float32"),
+    "case_pre_attn_row_too_long": (BalancerInputError, "SequenceBalancer.pre_attn: bad input on rank(s) [0]"),
     "case_first_layer_row_too_long": (BalancerInputError, "SequenceBalancer.pre_attn: bad input on rank(s)"),
-    "case_heads_differ": (BalancerInputError, "bad input on rank(s) [1]"),
-    "case_post_attn_extra_row": (BalancerInputError, "bad input on rank(s) [0]"),
-    "case_post_attn_short_row": (BalancerInputError, "bad input on rank(s)"),
+    "case_heads_differ": (BalancerInputError, "float64 (·, 8, 8) on rank 1; k:"),
+    "case_post_attn_extra_row": (BalancerInputError, "SequenceBalancer.post_attn: bad input on rank(s) [0]"),
+    "case_post_attn_short_row": (BalancerInputError, "SequenceBalancer.post_attn: bad input on rank(s)"),
     "case_use_plan_dropped_row": (BalancerInputError, "SequenceBalancer.use_plan: bad input on rank(s)"),
     "case_use_plan_dropped_row_on_one_rank": (BalancerInputError, "bad input on rank(s) [1]"),
     "case_use_plan_differs": (PlanMismatchError, "plan differs on rank(s)"),
@@ -290,7 +290,7 @@ EXPECTED = {
         BalancerInputError,
         "SequenceBalancer.route_context: bad input on rank(s) [1]",
     ),
-    "case_context_dtype_differs": (BalancerInputError, "context dtype and shape differs on rank(s)"),
+    "case_context_dtype_differs": (BalancerInputError, "argument 0 (context): float32 (·, 5) on rank 0"),
     "case_cross_attention_bad_kv_rows": (
         BalancerInputError,
         "SequenceBalancer.reverse_route: bad input on rank(s) [0]",

@@ -119,21 +119,6 @@ def check_flux_balanced(rank: int, world: int, layout: str, wrapper: str) -> dic
     return {"routed": int(seq_id.numel()), "grad_err": worst}
 
 
-def check_flux_deprecated_keyword(rank: int, world: int) -> int:
-    import warnings
-
-    from knapformer import SequenceBalancer, WorkloadModel
-    from knapformer.integrations.diffusers import packed_flux_forward
-
-    bal = SequenceBalancer("g2n1", WorkloadModel(d_model=16))
-    samples = [make_sample(2, 3, 2, seed=rank)]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        packed_flux_forward(tiny_flux(), samples, balancer=bal)
-    assert any(issubclass(w.category, DeprecationWarning) for w in caught)
-    return bal.num_plans
-
-
 def check_flux_wrong_plan(rank: int, world: int) -> str:
     from knapformer import SequenceBalancer, WorkloadModel
     from knapformer.distributed import BalancerInputError

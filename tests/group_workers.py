@@ -9,6 +9,7 @@ import torch
 
 from knapformer import SequenceBalancer, WorkloadModel
 from knapformer.distributed import BalancerInputError
+from knapformer.errors import InvalidPlanError
 from knapformer.plan import plan_from_groups
 from knapformer.testing import reference_attention, reference_cross_attention
 
@@ -219,17 +220,17 @@ def check_bad_group_plans(rank: int, world: int) -> list[str]:
     n = sum(map(len, lens))
     msgs = []
 
-    def expect(fn, text):
+    def expect(fn, text, kind=BalancerInputError):
         try:
             fn()
-        except BalancerInputError as exc:
+        except kind as exc:
             assert text in str(exc), (text, str(exc))
             msgs.append(str(exc))
             return
         raise AssertionError(f"expected an error containing {text!r}")
 
     good = plan_from_groups(lens, [(0, 1), (1,)], [0] + [1] * (n - 1), MODEL)
-    repeated = dataclasses.replace(good, bags=((0, 0),) + good.bags[1:])
+    repeated = dataclasses.replace(good, groups=((0, 0),) + good.groups[1:])
     expect(lambda: bal.use_plan(repeated), "repeats a rank")
     ch = good.chunks.copy()
     ch[0, 4] = world - 1 if world > 2 else 1  # the first chunk of sequence (0,0) on a non-member...
@@ -244,10 +245,14 @@ def check_bad_group_plans(rank: int, world: int) -> list[str]:
     y = bal.route(torch.zeros(30 if rank == 0 else 0, 1))
     if world >= 3:
         q = torch.zeros(y.shape[0], 4, 2)
-        expect(lambda: bal.attention(q, q, q), "4 attention heads cannot be split evenly over bag size 3")
+        expect(
+            lambda: bal.attention(q, q, q),
+            "group (0, 1, 2) of 3 ranks cannot split 4 attention heads",
+            InvalidPlanError,
+        )
     two = plan_from_groups([[30]] + [[]] * (world - 1), [(0, 1)], [0], MODEL)
     bal.use_plan(two)
     y = bal.route(torch.zeros(30 if rank == 0 else 0, 1))
     q, kv = torch.zeros(y.shape[0], 6, 2), torch.zeros(y.shape[0], 3, 2)
-    expect(lambda: bal.attention(q, kv, kv), "a group of 2 ranks cannot share 3 kv heads (h=6)")
+    expect(lambda: bal.attention(q, kv, kv), "group (0, 1) of 2 ranks cannot share 3 kv heads (h=6)", InvalidPlanError)
     return msgs

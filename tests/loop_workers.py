@@ -89,7 +89,7 @@ def run_loop(
     bal.on_step(lambda rec: records.append(rec.to_dict() | {"digest": _digest(bal.online_model())}))
     features = [_train_step(model, bal, rank, world, step, slow_rank) for step in range(first_step, first_step + steps)]
     bal.flush()
-    return [r | {"features": f} for r, f in zip(records, features, strict=True)], bal.config
+    return [r | {"features": f} for r, f in zip(records, features, strict=True)], bal.planning_config
 
 
 WARMUP_STEPS = 10

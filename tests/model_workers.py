@@ -14,9 +14,9 @@ import torch.distributed as dist
 
 from knapformer import SequenceBalancer, WorkloadModel
 from knapformer.data.batches import batch_from_lens
+from knapformer.integrations.reference import ReferenceFamily
 from knapformer.models import LocalExecutor, MMDiT, MMDiTConfig, Transformer, TransformerConfig
-from knapformer.tools.families import family_for
-from knapformer.tools.parallelize import apply_checkpointing, apply_fsdp
+from knapformer.parallelize import apply_checkpointing, apply_fsdp
 
 MM = MMDiTConfig(in_dim=8, vec_dim=8, dim=32, num_heads=4, num_double=1, num_single=1, out_dim=8)
 TR = TransformerConfig(in_dim=8, dim=32, num_heads=4, num_layers=2, out_dim=8)
@@ -29,8 +29,8 @@ CONFIGS = {
 
 
 def _run(model, cfg, b, ex):
-    family = family_for(cfg)
-    return family.forward(model, family.inputs(b, cfg), ex)
+    family = ReferenceFamily(cfg)
+    return family.forward(model, family.inputs(b), ex)
 
 
 def _cat(batches):

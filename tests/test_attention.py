@@ -85,8 +85,20 @@ def test_cross_attention_bad_bounds():
         varlen_cross_attention(q, k, k, torch.tensor([0, 4]), torch.tensor([0, 1, 3]))
     with pytest.raises(ValueError, match="covers 3 queries"):
         varlen_cross_attention(q, k, k, torch.tensor([0, 3]), torch.tensor([0, 3]))
-    with pytest.raises(ValueError, match="unknown cross-attention backend"):
-        varlen_cross_attention(q, k, k, torch.tensor([0, 4]), torch.tensor([0, 3]), backend="sdpa_mask")
+    with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
+        varlen_cross_attention(q, k, k, torch.tensor([0, 4]), torch.tensor([0, 3]), backend="nope")
+
+
+def test_a_backend_without_cross_attention_uses_sdpas():
+    """``sdpa_mask`` has no cross-attention kernel of its own: it gets SDPA's per-sequence form
+    (so a balancer configured with it still runs Wan's cross-attention)."""
+    from knapformer.attention import get_backend, varlen_cross_attention
+
+    assert get_backend("sdpa_mask").cross is None
+    q, k = torch.randn(4, 2, 8, dtype=torch.float64), torch.randn(3, 2, 8, dtype=torch.float64)
+    cu_q, cu_k = torch.tensor([0, 1, 4]), torch.tensor([0, 2, 3])
+    want = varlen_cross_attention(q, k, k, cu_q, cu_k, backend="sdpa")
+    assert torch.equal(varlen_cross_attention(q, k, k, cu_q, cu_k, backend="sdpa_mask"), want)
 
 
 def test_cross_attention_keeps_empty_contexts_in_the_graph():

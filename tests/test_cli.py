@@ -21,9 +21,9 @@ def test_plan_writes_json(tmp_path):
     out = tmp_path / "plan.json"
     assert main(["plan", "--input", inp, "--bags", "g1n2+g2n1", "--d-model", "64", "--output", str(out)]) == 0
     plan = json.loads(out.read_text())
-    for key in ("bags", "chunks", "time_before", "time_after", "lower_bound", "tokens_moved", "plan_seconds", "solver"):
+    for key in ("groups", "seq_group", "chunks", "time_before", "time_after", "lower_bound", "tokens_moved", "solver"):
         assert key in plan
-    assert plan["bags"] == [[0], [1], [2, 3]]
+    assert plan["groups"] == [[0], [1], [2, 3]]
     assert sum(row[3] for row in plan["chunks"]) == 1025
     assert all(len(row) == 5 for row in plan["chunks"])
 

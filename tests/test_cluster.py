@@ -70,7 +70,7 @@ def test_sync_jitter_charged_to_multi_rank_bags_only():
     problem = PlanProblem(seq_lens=[[20], [], [8], [8]], layout="g1n2+g2n1", model=WorkloadModel(d_model=2))
     plan = build_plan(problem, np.array([2, 0, 1]), solver="hand")
     pred = predict_step(plan, SHAPE, hw)
-    in_pair = list(plan.bags[2])
+    in_pair = list(plan.groups[2])
     assert len(in_pair) == 2 and pred.compute_s[in_pair].min() > 0
     np.testing.assert_allclose(pred.sync_s[in_pair], 0.1 * pred.compute_s[in_pair])
     np.testing.assert_allclose(np.delete(pred.sync_s, in_pair), 0.0)

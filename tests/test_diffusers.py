@@ -100,12 +100,6 @@ def test_simulator_runs_the_diffusers_model():
     assert rep["modes"]["balanced"]["plans_per_rank_step"] == 1
 
 
-def test_old_balancer_keyword_still_plans_with_a_warning():
-    """packed_flux_forward(..., balancer=bal) is the deprecated spelling: it warns and plans."""
-    res = run_distributed(W.check_flux_deprecated_keyword, 2, timeout=120)
-    assert res == [1, 1]
-
-
 def test_executor_planned_for_other_samples_is_refused_on_every_rank():
     """A balancer planned for other lengths (same token count) is refused before data moves."""
     res = run_distributed(W.check_flux_wrong_plan, 2, timeout=120)

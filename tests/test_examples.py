@@ -12,7 +12,7 @@ pytest.importorskip("diffusers", reason="diffusers is not installed (pip install
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("script", ["flux_train_step.py", "wan_train_step.py"])
+@pytest.mark.parametrize("script", ["flux_train_step.py", "flux2_train_step.py", "wan_train_step.py"])
 def test_example_runs_under_torchrun(script):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     from knapformer.testing import free_port

@@ -176,3 +176,69 @@ def test_models_and_attention_do_not_use_torch_distributed():
     pure += [ROOT / f for f in ("workload.py", "layout.py", "model_configs.py", "workload_fit.py", "config.py")]
     offenders += [str(p.relative_to(ROOT)) for p in pure if torch_import.search(p.read_text())]
     assert offenders == [], offenders
+
+
+def _private_imports(path: Path, root: Path = ROOT) -> list[str]:
+    """``from knapformer.X... import _name`` (or of a ``_module``) where X is another package
+    than the importing file's."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    mine = _layer(_module_name(path, root))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("knapformer"):
+            other = _layer(node.module)
+            if other == mine:
+                continue
+            parts = node.module.split(".")
+            private = [n.name for n in node.names if n.name.startswith("_") and n.name != "__all__"]
+            if any(p.startswith("_") for p in parts[1:]) or private:
+                out.append(f"{_module_name(path, root)} imports {node.module}:{private or '(private module)'}")
+    return out
+
+
+def test_no_module_imports_another_packages_private_names():
+    bad = [line for p in sorted(ROOT.rglob("*.py")) for line in _private_imports(p)]
+    assert bad == [], bad
+
+
+def test_private_import_check_sees_a_private_name(tmp_path):
+    """Mutation check of the test above, on a throw-away tree."""
+    root = tmp_path / "knapformer"
+    for d in ("plan", "tools"):
+        (root / d).mkdir(parents=True)
+        (root / d / "__init__.py").write_text("")
+    (root / "__init__.py").write_text("")
+    (root / "tools" / "t.py").write_text("from knapformer.plan.problem import _is_int\n")
+    assert _private_imports(root / "tools" / "t.py", root) == [
+        "knapformer.tools.t imports knapformer.plan.problem:['_is_int']"
+    ]
+
+
+def test_models_never_import_the_distributed_layer():
+    """The reference DiTs are user code: they see only the executor contract."""
+    graph = _graph()
+    bad = [
+        f"{m} imports {d}"
+        for m, deps in graph.items()
+        if _layer(m) == "models"
+        for d in deps
+        if _layer(d) in ("distributed", "integrations", "tools")
+    ]
+    assert bad == [], bad
+
+
+def test_tools_reach_integrations_only_through_the_registry():
+    graph = _graph()
+    bad = [
+        f"{m} imports {d}"
+        for m, deps in graph.items()
+        if _layer(m) == "tools"
+        for d in deps
+        if _layer(d) == "integrations" and d != "knapformer.integrations.registry"
+    ]
+    assert bad == [], bad
+
+
+def test_no_package_file_is_over_450_lines():
+    long = {str(p.relative_to(ROOT)): n for p in ROOT.rglob("*.py") if (n := len(p.read_text().splitlines())) > 450}
+    assert long == {}, f"split by concern: {long}"

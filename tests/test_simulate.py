@@ -124,3 +124,41 @@ def test_tiny_run_on_two_ranks(tmp_path):
         ):
             assert r[key] is not None, key
     assert records[1]["coefficients"]["units"] == "seconds per layer"  # refitted from step 1's timing
+
+
+def test_a_users_own_model_factory_runs_through_simulate_and_calibrate(tmp_path):
+    """``--model package.module:callable``: the tools take a user's ModelFamily without any
+    registry line (the same seam as the integrations)."""
+    from knapformer.cli import main
+
+    out = tmp_path / "p.json"
+    args = ["calibrate", "--model", "tests.custom_family:make", "--output", str(out), "--repeats", "1"]
+    assert main([*args, "--lengths", "16", "32", "64", "--holdout", "48", "--no-progress"]) == 0
+    assert out.exists()
+    rep = simulate(
+        SimConfig(
+            ranks=2,
+            model="tests.custom_family:make",
+            mix="g1b4i128f1s0,g1b1i256f1s0",
+            bags="auto",
+            scale=4,
+            steps=1,
+            warmup=0,
+            peak_tflops=0.01,
+            progress=False,
+        )
+    )
+    assert rep["loss_match"]
+
+
+def test_a_bad_model_factory_is_a_clear_error():
+    from knapformer.integrations.registry import resolve_model
+
+    with pytest.raises(ValueError, match="cannot import 'no_such_module'"):
+        resolve_model("no_such_module:make")
+    with pytest.raises(ValueError, match="has no 'nope'"):
+        resolve_model("tests.custom_family:nope")
+    with pytest.raises(ValueError, match="must return a knapformer.integrations.family.ModelFamily"):
+        resolve_model("tests.custom_family:TinyDiT")
+    with pytest.raises(ValueError, match="unknown model preset 'diffusers-flux-huge'"):
+        resolve_model("diffusers-flux-huge")

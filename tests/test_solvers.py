@@ -52,7 +52,7 @@ def test_solver_contract(name, spec, lens):
     assert plan.solver == name
     assert plan.makespan >= plan.lower_bound * (1 - 1e-9)
     if info.optimal:
-        assert fluid_makespan(problem, plan.seq_bag) == pytest.approx(brute_force(problem), rel=1e-9)
+        assert fluid_makespan(problem, plan.seq_group) == pytest.approx(brute_force(problem), rel=1e-9)
     if problem.num_seqs <= info.never_worse_than_paper_up_to:
         assert plan.makespan <= plan_sequences(lens, spec, MODEL, solver="paper").makespan * (1 + 1e-12)
     if info.deterministic:
@@ -107,7 +107,7 @@ def test_paper_rule_by_hand():
     # C = 8/3; capacities: bag0 8/3, bag1 16/3. seq 6: only bag1 has capacity >= 6? no: none ->
     # all bags of the largest size -> bag1. Then 1 (rank0) -> eligible size<=1: bag0 (occupancy 0).
     # Then 1 (rank1) -> bag0 occupancy 3/8 vs ineligible bag1 (size 2 > length 1) -> bag0.
-    assert plan.seq_bag.tolist() == [1, 0, 0]
+    assert plan.seq_group.tolist() == [1, 0, 0]
 
 
 def test_remainders_rotate_across_sequences():
@@ -236,7 +236,7 @@ def test_auto_splits_over_sizes_that_do_not_divide_a_small_group(S):
     sizes = set(auto.group_sizes().tolist())
     assert sizes & {2, 4} and all(8 % k == 0 for k in sizes), sizes
     assert auto.makespan <= 0.55 * alone.makespan, (auto.makespan, alone.makespan)
-    for g in auto.bags:  # consecutive ranks
+    for g in auto.groups:  # consecutive ranks
         assert list(g) == list(range(min(g), min(g) + len(g))), g
     link = LinkModel(intra_bw=1e9, inter_bw=1e9, gpus_per_node=S, units_per_second=1e9)
     priced = plan_sequences(lens, "auto", model, link=link)

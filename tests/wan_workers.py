@@ -81,6 +81,10 @@ CASES = {
     "auto-fsdp-checkpointing": ("auto", [[(4, 8, 8, 4)], []], "fsdp+checkpointing", {}),
     "g2n1-i2v": ("g2n1", [[(2, 4, 4, 0)], [(1, 2, 2, 0)]], "none", {"i2v": True}),
     "g2n1-per-token-timesteps": ("g2n1", [[(2, 4, 4, 3)], [(1, 4, 2, 2)]], "none", {"per_token": True}),
+    # per-token timesteps on one rank only: next to a rank without samples, and next to scalar ones
+    "g2n1-per-token-next-to-empty": ("g2n1", [[(2, 4, 4, 3)], []], "none", {"per_token_ranks": (0,)}),
+    "g1n2-per-token-and-scalar": ("g1n2", [[(2, 4, 4, 3)], [(1, 4, 2, 2)]], "none", {"per_token_ranks": (0,)}),
+    "auto-scalar-and-per-token": ("auto", [[(4, 8, 8, 4)], [(1, 2, 2, 2)]], "none", {"per_token_ranks": (1,)}),
 }
 CASES_3_RANKS = {  # 2 heads, 3 ranks: auto runs a large video on 2 of the 3 (a size that does not divide 3)
     "auto-3-ranks": ("auto", [[(4, 8, 8, 4)], [], [(1, 2, 2, 2), (1, 2, 4, 3)]], "none", {}),
@@ -97,10 +101,11 @@ def check_wan_balanced(rank: int, world: int, names: list[str]) -> dict:
     report = {}
     for name in names:
         layout, spec, wrapper, opts = {**CASES, **CASES_3_RANKS}[name]
-        i2v, per_token = opts.get("i2v", False), opts.get("per_token", False)
+        i2v = opts.get("i2v", False)
+        per_token = [opts.get("per_token", False) or r in opts.get("per_token_ranks", ()) for r in range(world)]
         all_samples = [
             [
-                make_sample(f, h, w, t, seed=100 * r + i, i2v=i2v, per_token=per_token)
+                make_sample(f, h, w, t, seed=100 * r + i, i2v=i2v, per_token=per_token[r])
                 for i, (f, h, w, t) in enumerate(s)
             ]
             for r, s in enumerate(spec)

@@ -186,15 +186,15 @@ def predict_step(
     compute = _compute_seconds(feats, shape, hw, profile) / _speeds(rank_speed, S)
     # -- exchanges: the planner's own cost function (knapformer.plan.cost)
     link = hw.link(shape)
-    comm = comm_features(plan.index, plan.bags, plan.seq_bag, plan.chunks, shape.workload(), hw.gpus_per_node)
+    comm = comm_features(plan.index, plan.groups, plan.seq_group, plan.chunks, shape.workload(), hw.gpus_per_node)
     route = route_seconds(comm, link)
     ulysses = ulysses_seconds(comm, link) * shape.layers
     # -- sync jitter: every member of a multi-rank group waits for the slowest member at each
     # exchange; a rank pays for the largest group it is in
-    sizes = np.fromiter((len(b) for b in plan.bags), dtype=np.int64, count=len(plan.bags))
+    sizes = np.fromiter((len(b) for b in plan.groups), dtype=np.int64, count=len(plan.groups))
     kmax = np.ones(S, dtype=np.int64)
-    for b in np.unique(plan.seq_bag).tolist() if plan.seq_bag.size else []:
-        members = list(plan.bags[b])
+    for b in np.unique(plan.seq_group).tolist() if plan.seq_group.size else []:
+        members = list(plan.groups[b])
         kmax[members] = np.maximum(kmax[members], sizes[b])
     jitter = np.asarray([expected_max_normal(int(k)) for k in kmax]) / expected_max_normal(2)  # cached per k
     sync = hw.sync_jitter * jitter * compute
@@ -215,7 +215,7 @@ def _masked(f: RankFeatures, plan: Plan) -> RankFeatures:
     L = plan.index.lengths.astype(np.float64)
     attn = np.zeros(S)
     for degree in np.unique(k):
-        tokens = spread_over_groups(plan.bags, plan.seq_bag, np.where(k == degree, L, 0.0), S)
+        tokens = spread_over_groups(plan.groups, plan.seq_group, np.where(k == degree, L, 0.0), S)
         attn += tokens * tokens / degree
     return dataclasses.replace(f, attn=attn)
 

@@ -4,12 +4,13 @@ Main API: :class:`SequenceBalancer`; lower level: :func:`build_route_spec` + ``o
 """
 
 from knapformer.distributed.balancer import SequenceBalancer
-from knapformer.distributed.errors import BalancerConfigError, BalancerInputError, PlanMismatchError
 from knapformer.distributed.spec import RouteSpec, build_route_spec
+from knapformer.errors import BalancerConfigError, BalancerInputError, DivergentCallError, PlanMismatchError
 
 __all__ = [
     "BalancerConfigError",
     "BalancerInputError",
+    "DivergentCallError",
     "PlanMismatchError",
     "RouteSpec",
     "SequenceBalancer",

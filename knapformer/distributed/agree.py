@@ -1,27 +1,33 @@
 """Cross-rank agreement: one small all-reduce that every rank joins before data moves.
 
-A problem only one rank can see (its lengths, the rows of its tensor, a plan it was handed)
-must not make that rank leave the collective the others are entering: every rank would hang,
-or gloo would abort on mismatched buffers. So each entry point of the balancer first joins
-:func:`agree`: an ``all_reduce(MAX)`` of ``[error flag, v, -v, ...]`` for the values that must
-be equal everywhere (the plan digest, dtype and trailing-shape signatures). The maxima say at
-once whether any rank failed or any value differs; only then (the error path) does a second
-collective gather who failed or differs, so the message can name the ranks. Every rank takes
-the same branch, so all raise together.
+A problem only one rank can see (its lengths, the rows of its tensor, a plan it was handed, a
+layer it skipped) must not make that rank leave the collective the others are entering: every
+rank would hang, or gloo would abort on mismatched buffers. So every exchange of the balancer
+first joins :func:`agree` with a description of the call (:class:`Call`: which operation, its
+index in the step, the step, and the values that must match, e.g. dtypes and trailing shapes).
+The row is fixed-size whatever the call, so ranks that are at *different* calls still meet in
+the same collective and find out: an ``all_reduce(MAX)`` of ``[error flag, v, -v, ...]`` says at
+once whether any rank failed or any value differs. Only then (the error path) do two more
+collectives gather every rank's description and error text, so that every rank raises the same
+message naming each rank's call and values — the ranks that did nothing wrong carry the
+culprit's reason.
 
-Values are 62-bit digests (:func:`digest62`) so that ``-v`` fits an int64.
+Values are 62-bit digests (:func:`digest62`) so that ``-v`` fits an int64. With NCCL the
+agreement runs on a gloo twin of the group (CPU tensors: no device synchronisation).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from knapformer.distributed.errors import BalancerInputError, PlanMismatchError
+from knapformer.errors import BalancerInputError, DivergentCallError, PlanMismatchError
 
-__all__ = ["agree", "digest62", "group_device"]
+__all__ = ["Call", "agree", "describe", "digest62", "gather_text", "group_device", "signature"]
 
 
 def digest62(text: str | bytes) -> int:
@@ -31,45 +37,126 @@ def digest62(text: str | bytes) -> int:
 
 
 def group_device(group) -> torch.device:
-    """Where small control tensors of ``group`` live (CUDA for NCCL, else CPU)."""
+    """Where small tensors of ``group``'s collectives live (CUDA for NCCL, else CPU)."""
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def agree(group, where: str, error: str = "", values: dict[str, int] | None = None) -> None:
-    """Raise on every rank if any rank reports ``error`` or any of ``values`` differs.
+def signature(tensors, names=None) -> tuple[tuple[str, str], ...]:
+    """(name, "dtype (·, *trailing shape)") of each tensor: what must match across ranks for
+    tensors exchanged together (the token count may differ)."""
+    out = []
+    for i, t in enumerate(tensors):
+        name = f"argument {i}" + (f" ({names[i]})" if names and i < len(names) and names[i] else "")
+        text = describe(t) if isinstance(t, torch.Tensor) else f"not a tensor ({type(t).__name__})"
+        out.append((name, text))
+    return tuple(out)
 
-    ``values`` maps a name (what the message calls the value) to this rank's 62-bit digest of
-    it; every rank must pass the same names in the same order."""
-    values = values or {}
-    names = list(values)
+
+def describe(t: torch.Tensor) -> str:
+    """``float32 (·, 4, 16)``: dtype and shape with the token dimension left open."""
+    dims = ", ".join(["·", *map(str, t.shape[1:])]) + ("," if t.dim() == 1 else "")
+    return f"{str(t.dtype).removeprefix('torch.')} ({dims})"
+
+
+@dataclass(frozen=True)
+class Call:
+    """What one rank is doing at an agreement point."""
+
+    op: str
+    """The operation (``route``, ``pre_attn``, ...)."""
+    index: int
+    """Its index among this step's agreed calls (0 = the first after ``plan``)."""
+    step: int
+    """Plans made so far (the step)."""
+    values: tuple[tuple[str, str], ...] = ()
+    """(name, text) of what must be equal on every rank."""
+
+    def describe(self) -> str:
+        return f"{self.op} (call {self.index} of step {self.step})"
+
+
+def _row(call: Call, error: str, plan: int) -> list[int]:
+    values = [digest62(call.op), call.index, call.step, digest62(json.dumps(call.values)), plan]
     row = [1 if error else 0]
-    for n in names:
-        row += [values[n], -values[n]]
-    device = group_device(group)
+    for v in values:
+        row += [v, -v]
+    return row
+
+
+def agree(group, call: Call, error: str = "", *, plan: int = 0, control=None, what: str = "input") -> None:
+    """Raise the same error on every rank of ``group`` if any rank reports ``error``, is at a
+    different call, holds a different plan (``plan``: its digest, 0 once agreed) or differs in
+    ``call.values``. ``control``: the group to run on (a gloo twin of an NCCL group); ``what``:
+    what this rank's ``error`` is about (the message says "bad <what>")."""
+    control = group if control is None else control
+    row = _row(call, error, plan)
+    device = group_device(control)
     t = torch.tensor(row, dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control)
     m = t.cpu().tolist()
-    failed = m[0] > 0
-    differs = [n for i, n in enumerate(names) if m[1 + 2 * i] != -m[2 + 2 * i]]
-    if not failed and not differs:
+    if m[0] == 0 and all(m[i] == -m[i + 1] for i in range(1, len(m), 2)):
         return
-    # error path: a second collective tells every rank who failed and who differs
-    size = dist.get_world_size(group)
-    mine = torch.tensor([row[0]] + [values[n] for n in names], dtype=torch.int64, device=device)
-    rows = [torch.empty_like(mine) for _ in range(size)]
-    dist.all_gather(rows, mine, group=group)
-    table = torch.stack(rows).cpu().tolist()
-    me = dist.get_rank(group)
-    if failed:
-        bad = [r for r in range(size) if table[r][0]]
-        detail = error or f"see the error raised on rank {bad[0]}"
-        raise BalancerInputError(f"{where}: bad input on rank(s) {bad} (this is rank {me}): {detail}")
+    _raise(control, call, error, plan, what)
+
+
+def gather_text(control, text: str) -> list[str]:
+    """Every rank's ``text`` (two even-sized all-gathers: lengths, then padded bytes)."""
+    device = group_device(control)
+    size = dist.get_world_size(control)
+    data = torch.tensor(list(text.encode()), dtype=torch.uint8)
+    n = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    lens = [torch.empty_like(n) for _ in range(size)]
+    dist.all_gather(lens, n, group=control)
+    width = max(int(x) for x in lens)
+    buf = torch.zeros(max(width, 1), dtype=torch.uint8)
+    buf[: data.numel()] = data
+    buf = buf.to(device)
+    parts = [torch.empty_like(buf) for _ in range(size)]
+    dist.all_gather(parts, buf, group=control)
+    return [bytes(p[: int(k)].cpu().tolist()).decode() for p, k in zip(parts, lens)]
+
+
+def _by_value(values: list[str], form: str) -> str:
+    """``form`` for each distinct value with the ranks that have it (in order of first rank)."""
+    ranks: dict[str, list[int]] = {}
+    for r, v in enumerate(values):
+        ranks.setdefault(v, []).append(r)
+    return ", ".join(
+        form.format(value=v, ranks=f"rank {rs[0]}" if len(rs) == 1 else f"ranks {rs}") for v, rs in ranks.items()
+    )
+
+
+def _raise(control, call: Call, error: str, plan: int, what: str) -> None:
+    mine = {"op": call.op, "index": call.index, "step": call.step, "values": call.values, "error": error, "plan": plan}
+    mine["what"] = what
+    table = [json.loads(t) for t in gather_text(control, json.dumps(mine))]
+    me = dist.get_rank(control)
+    where = f"SequenceBalancer.{call.op}"
+    bad = [r for r, d in enumerate(table) if d["error"]]
+    if bad:
+        reasons = "; ".join(f"rank {r}: {table[r]['error']}" for r in bad) if len(bad) > 1 else table[bad[0]]["error"]
+        what = table[bad[0]]["what"]
+        raise BalancerInputError(f"{where}: bad {what} on rank(s) {bad} (this is rank {me}): {reasons}")
+    calls = [Call(d["op"], d["index"], d["step"]).describe() for d in table]
+    if len(set(calls)) > 1:
+        detail = _by_value(calls, "{ranks} at {value}")
+        raise DivergentCallError(
+            f"{where}: ranks made different calls before data moved: {detail} (this is rank {me}). Every rank "
+            "of the group must make the same exchanges in the same order each step (a layer skipped on some "
+            "ranks, a data-dependent branch, or a different number of plan() calls breaks that)"
+        )
+    if len({d["plan"] for d in table}) > 1:
+        ranks = [r for r, d in enumerate(table) if d["plan"] != table[0]["plan"]]
+        raise PlanMismatchError(
+            f"{where}: ranks disagree before data moves: the plan differs on rank(s) {ranks} from rank 0 "
+            f"(this is rank {me})"
+        )
+    names = list(dict.fromkeys(n for d in table for n, _ in d["values"]))
     parts = []
-    for n in differs:
-        col = 1 + names.index(n)
-        ref = table[0][col]
-        parts.append(f"{n} differs on rank(s) {[r for r in range(size) if table[r][col] != ref]} from rank 0")
-    cls = PlanMismatchError if any(n == "plan" for n in differs) else BalancerInputError
-    raise cls(f"{where}: ranks disagree before data moves: {'; '.join(parts)} (this is rank {me})")
+    for n in names:
+        texts = [dict(map(tuple, d["values"])).get(n, "absent") for d in table]
+        if len(set(texts)) > 1:
+            parts.append(f"{n}: " + _by_value(texts, "{value} on {ranks}"))
+    raise BalancerInputError(f"{where}: ranks disagree before data moves: {'; '.join(parts)} (this is rank {me})")

@@ -7,7 +7,7 @@ least one routed token of the sequence. The owner of the sequence (the rank it w
 on) sends its context rows once to each such rank; one ``all_to_all_single`` per step, not
 per layer, and none at all when no context leaves its owner (every sequence whole at
 home). Received rows come ordered by source rank then sequence id, i.e. by global sequence
-id (ids are rank-major), which is the order :class:`~knapformer.models.executor.RoutedContext`
+id (ids are rank-major), which is the order :class:`~knapformer.executor.RoutedContext`
 wants. The exchange is differentiable: a context sent to k ranks gets the sum of the k
 gradients back (autograd sums the duplicated rows of the send-side ``index_select``).
 """
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from knapformer.distributed.spec import _ranges
+from knapformer.distributed.spec import concat_ranges
 from knapformer.plan import Plan
-from knapformer.plan.plan import DST, LEN
+from knapformer.plan.seqindex import DST, LEN
 
 __all__ = ["ContextRoute", "build_context_route"]
 
@@ -56,7 +56,7 @@ def build_context_route(plan: Plan, rank: int, ctx_lens: np.ndarray) -> ContextR
     local_lens = ctx_lens[first : index.first[rank + 1]]
     offsets = np.cumsum(local_lens) - local_lens
     mine = pairs[owner[pairs[:, 1]] == rank]
-    send_rows = _ranges(offsets[mine[:, 1] - first], ctx_lens[mine[:, 1]])
+    send_rows = concat_ranges(offsets[mine[:, 1] - first], ctx_lens[mine[:, 1]])
     send = np.bincount(mine[:, 0], weights=ctx_lens[mine[:, 1]], minlength=S).astype(np.int64)
     recv_seqs = pairs[pairs[:, 0] == rank, 1]
     recv = np.bincount(owner[recv_seqs], weights=ctx_lens[recv_seqs], minlength=S).astype(np.int64)

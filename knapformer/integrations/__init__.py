@@ -1,7 +1,14 @@
-"""Integrations with other libraries, imported on demand (never by ``import knapformer``).
+"""Model integrations, imported on demand (never by ``import knapformer``).
 
-- :mod:`knapformer.integrations.diffusers`: packed, balanced training of diffusers'
-  ``FluxTransformer2DModel`` (``pip install 'knapformer[diffusers]'``).
+Each model family is one module with its packed forward and a
+:class:`~knapformer.integrations.family.ModelFamily` adapter, registered by one line in
+:mod:`knapformer.integrations.registry` (the tools find families there, by name only):
+
+- :mod:`knapformer.integrations.reference`: the reference DiTs of :mod:`knapformer.models`;
+- :mod:`knapformer.integrations.flux`: diffusers ``FluxTransformer2DModel``
+  (``pip install 'knapformer[diffusers]'``; :mod:`knapformer.integrations.diffusers` is its old name);
+- :mod:`knapformer.integrations.flux2`: diffusers ``Flux2Transformer2DModel`` (diffusers 0.42);
+- :mod:`knapformer.integrations.wan`: diffusers ``WanTransformer3DModel`` (Wan 2.x T2V/I2V/FLF2V/TI2V).
 """
 
 __all__: list[str] = []

@@ -44,20 +44,31 @@ Importing knapformer never imports diffusers; this module does (diffusers >= 0.3
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from knapformer.integrations.diffusers import require_diffusers
-from knapformer.models.executor import LocalExecutor, RoutedContext, TokenExecutor, raise_everywhere
+from knapformer.executor import LocalExecutor, TokenExecutor, local_positions
+from knapformer.integrations._diffusers import (
+    PackedOutput,
+    batch_samples,
+    call_block,
+    executor_or_local,
+    raise_sample_problem,
+    require_diffusers,
+)
+from knapformer.integrations.family import ModelFamily, StepInputs, block_runner
+from knapformer.integrations.wan_attention import CrossPacked, PackedWanAttnProcessor, SelfPacked, rope_tables
 from knapformer.workload import WorkloadModel
 
 __all__ = [
     "DiffusersWanConfig",
     "PackedWanAttnProcessor",
     "PackedWanOutput",
+    "WanFamily",
     "WanSample",
     "build_wan",
     "packed_wan_forward",
@@ -121,13 +132,10 @@ class WanSample:
     (2·L_img, image_dim)."""
 
 
-class PackedWanOutput(list):
+class PackedWanOutput(PackedOutput):
     """Per-sample outputs (C_out, F, H, W) in order, plus ``flat``: this rank's outputs as
-    (T, C_out·p_t·p_h·p_w) token rows (sample order, stock token order within a sample). On a
-    rank with no samples ``flat`` is empty but connected to the step's collectives: add
-    ``0 * outs.flat.sum()`` to a loss built from the list so ``backward()`` joins the exchanges."""
-
-    flat: torch.Tensor
+    (T, C_out·p_t·p_h·p_w) token rows (sample order, stock token order within a sample); see
+    :class:`~knapformer.integrations._diffusers.PackedOutput`."""
 
 
 def _workload(d: int, ffn: int, layers: int, heads: int, context_len: int, gamma: float) -> WorkloadModel:
@@ -170,97 +178,6 @@ def build_wan(cfg: DiffusersWanConfig):
         image_dim=cfg.image_dim,
         added_kv_proj_dim=cfg.dim if cfg.image_dim else None,
     )
-
-
-# -- packed metadata handed to the processors ---------------------------------------------------------
-@dataclass(eq=False)
-class _SelfPacked:
-    """What ``attn1`` needs: the executor and the routed tokens' RoPE tables (T, 1, Dh)."""
-
-    executor: TokenExecutor
-    cos: torch.Tensor
-    sin: torch.Tensor
-
-
-@dataclass(eq=False)
-class _CrossPacked:
-    """What ``attn2`` needs: the routed text (and image) context of this rank's samples."""
-
-    executor: TokenExecutor
-    text: RoutedContext
-    image: RoutedContext | None
-
-
-def _heads(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """(1, N, H·Dh) -> (N, H, Dh)."""
-    return t[0].unflatten(-1, (heads, -1))
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Wan's rotary embedding (interleaved pairs) on (N, H, Dh) with (N, 1, Dh) tables."""
-    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
-    c, s = cos[..., 0::2], sin[..., 1::2]
-    out = torch.empty_like(x)
-    out[..., 0::2] = x1 * c - x2 * s
-    out[..., 1::2] = x1 * s + x2 * c
-    return out.type_as(x)
-
-
-def _kv(attn, rows: torch.Tensor, added: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of context rows with the module's own (possibly fused) projections."""
-    if added:
-        if getattr(attn, "fused_projections", False):
-            return attn.to_added_kv(rows).chunk(2, dim=-1)
-        return attn.add_k_proj(rows), attn.add_v_proj(rows)
-    if getattr(attn, "fused_projections", False):
-        return attn.to_kv(rows).chunk(2, dim=-1)
-    return attn.to_k(rows), attn.to_v(rows)
-
-
-class PackedWanAttnProcessor:
-    """Wan attention over packed ``[1, T, D]`` tokens; stock behaviour when not packed."""
-
-    def __init__(self) -> None:
-        from diffusers.models.transformers.transformer_wan import WanAttnProcessor
-
-        self._stock = WanAttnProcessor()
-
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
-        if isinstance(rotary_emb, _SelfPacked):
-            return self._self(attn, hidden_states, rotary_emb)
-        if isinstance(encoder_hidden_states, _CrossPacked):
-            return self._cross(attn, hidden_states, encoder_hidden_states)
-        return self._stock(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
-
-    @staticmethod
-    def _self(attn, hidden_states, packed: _SelfPacked):
-        if getattr(attn, "fused_projections", False):
-            q, k, v = attn.to_qkv(hidden_states).chunk(3, dim=-1)
-        else:
-            q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
-        q, k = attn.norm_q(q), attn.norm_k(k)
-        q, k, v = (_heads(t, attn.heads) for t in (q, k, v))
-        q, k = _rope(q, packed.cos, packed.sin), _rope(k, packed.cos, packed.sin)
-        o = packed.executor.attention(q, k, v).flatten(1, 2)[None].type_as(q)
-        return attn.to_out[1](attn.to_out[0](o))
-
-    @staticmethod
-    def _cross(attn, hidden_states, packed: _CrossPacked):
-        q = attn.norm_q(attn.to_q(hidden_states))
-        q = _heads(q, attn.heads)
-        k, v = _kv(attn, packed.text.rows)
-        k = attn.norm_k(k)
-        k, v = k.unflatten(-1, (attn.heads, -1)), v.unflatten(-1, (attn.heads, -1))
-        o = packed.executor.cross_attention(q, k, v, packed.text).type_as(q)
-        if attn.add_k_proj is not None:
-            if packed.image is None:
-                raise ValueError("this Wan model has image cross-attention (I2V): every WanSample needs an image")
-            ki, vi = _kv(attn, packed.image.rows, added=True)
-            ki = attn.norm_added_k(ki)
-            ki, vi = ki.unflatten(-1, (attn.heads, -1)), vi.unflatten(-1, (attn.heads, -1))
-            o = o + packed.executor.cross_attention(q, ki, vi, packed.image).type_as(q)
-        o = o.flatten(1, 2)[None]
-        return attn.to_out[1](attn.to_out[0](o))
 
 
 def prepare_wan(model) -> None:
@@ -319,21 +236,18 @@ def samples_from_batch(batch, cfg: DiffusersWanConfig, *, seed: int) -> list[Wan
     """Wan samples from a synthetic :class:`~knapformer.data.batches.Batch`: each sequence's
     first visual rows become a video (``wan_grid``: its F'·H'·W' tokens are the visual rows, or
     the most of them a grid fits), its text rows random text states."""
-    out, start = [], 0
+    out = []
     g = torch.Generator().manual_seed(seed)
     pt, ph, pw = cfg.patch_size
-    for n, t, ts in zip(batch.seq_lens, batch.txt_lens.tolist(), batch.t):
-        v = n - t
+    for s in batch_samples(batch):
+        v = s.visual.shape[0]
         f, h, w = wan_grid(max(v, 1))
-        rows = batch.x[start + t : start + t + f * h * w, : cfg.in_dim]
-        if v == 0:
-            rows = batch.x.new_zeros(1, cfg.in_dim)
+        rows = s.visual[: f * h * w, : cfg.in_dim] if v else batch.x.new_zeros(1, cfg.in_dim)
         lat = rows.reshape(f, h, w, pt, ph, pw, cfg.in_channels).permute(6, 0, 3, 1, 4, 2, 5)
         lat = lat.reshape(cfg.in_channels, f * pt, h * ph, w * pw)
-        text = torch.randn(t, cfg.text_dim, generator=g).to(batch.x.dtype)
+        text = torch.randn(s.text.shape[0], cfg.text_dim, generator=g).to(batch.x.dtype)
         image = torch.randn(257, cfg.image_dim, generator=g).to(batch.x.dtype) if cfg.image_dim else None
-        out.append(WanSample(latents=lat, text=text, timestep=ts * 1000, image=image))
-        start += n
+        out.append(WanSample(latents=lat, text=text, timestep=s.timestep * 1000, image=image))
     return out
 
 
@@ -367,17 +281,6 @@ def _grid_positions(f: int, h: int, w: int, device) -> torch.Tensor:
     return torch.stack([ff, hh, ww], dim=-1).reshape(-1, 3)
 
 
-def _rope_tables(model, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE cos/sin (T, 1, Dh) of tokens at grid positions ``pos`` from the model's buffers."""
-    rope = model.rope
-    if pos.numel() and int(pos.max()) >= rope.max_seq_len:
-        raise ValueError(f"a video side of {int(pos.max()) + 1} tokens exceeds the RoPE table ({rope.max_seq_len})")
-    sizes = [rope.t_dim, rope.h_dim, rope.w_dim]
-    cos = [c.index_select(0, pos[:, i]) for i, c in enumerate(rope.freqs_cos.split(sizes, dim=1))]
-    sin = [s.index_select(0, pos[:, i]) for i, s in enumerate(rope.freqs_sin.split(sizes, dim=1))]
-    return torch.cat(cos, dim=1)[:, None], torch.cat(sin, dim=1)[:, None]
-
-
 def _problem(model, samples: Sequence[WanSample]) -> str:
     """Why these samples cannot run on this model ("" if they can)."""
     cfg = model.config
@@ -408,11 +311,7 @@ def packed_wan_forward(model, samples: Sequence[WanSample], executor: TokenExecu
     ``wan_seq_lens(model, samples)`` (every rank of the group calls this function), a
     ``LocalExecutor``, or None (everything on this process)."""
     prepare_wan(model)
-    error = _problem(model, samples)
-    if error:
-        if executor is not None:
-            raise_everywhere(executor, error)
-        raise ValueError(error)
+    raise_sample_problem(executor, _problem(model, samples))
     cfg = model.config
     device = model.patch_embedding.weight.device
     dtype = model.patch_embedding.weight.dtype
@@ -428,25 +327,28 @@ def packed_wan_forward(model, samples: Sequence[WanSample], executor: TokenExecu
         empty = torch.zeros((0, cfg.in_channels, *cfg.patch_size), device=device, dtype=dtype)
         x_local = model.patch_embedding(empty).flatten(2).transpose(1, 2).reshape(0, D)
         pos_local = torch.zeros(0, 3, dtype=torch.int64, device=device)
-    per_token = any(torch.as_tensor(s.timestep).numel() > 1 for s in samples)
-    ex = executor if executor is not None else LocalExecutor(lens)
-    # 2. route tokens (and their grid positions, and per-token timesteps if any)
-    if per_token:
-        ts = torch.cat([torch.as_tensor(s.timestep).reshape(-1).expand(n) for s, n in zip(samples, lens)])
-        x, pos, ts_r = ex.route(x_local, pos_local, ts.to(device, torch.float64), seq_lens=lens)
-    else:
-        x, pos = ex.route(x_local, pos_local, seq_lens=lens)
+    ex = executor_or_local(executor, lens)
+    # 2. route tokens with their grid positions and their timesteps (a sample's one timestep, or
+    # Wan 2.2 TI2V's one per token): the same tensors on every rank, whatever its samples are
+    steps = [torch.as_tensor(s.timestep).reshape(-1) for s in samples]
+    ts_local = torch.cat([t.expand(n) for t, n in zip(steps, lens)]) if samples else torch.zeros(0)
+    x, pos, ts_r = ex.route(x_local, pos_local, ts_local.to(device, torch.float64), seq_lens=lens)
     seq_id, _ = ex.routed_positions(device)
-    # 3. conditioning: time embedding per sample (or per token), text/image embedded at home
+    # 3. conditioning: the time embedding once per sample (once per token for per-token
+    # timesteps, as the stock model does), text/image embedded at home
     text_local = torch.cat([s.text for s in samples]).to(device, dtype) if samples else torch.zeros(0, cfg.text_dim)
     text_local = model.condition_embedder.text_embedder(text_local.to(device, dtype)[None])[0]
-    if per_token:
-        temb, tproj = _time_embed(model, ts_r, text_local)
-    else:
-        ts = torch.stack([torch.as_tensor(s.timestep).reshape(()) for s in samples]) if samples else torch.zeros(0)
-        temb_s, tproj_s = _time_embed(model, ts.to(device), text_local)
-        temb_all, tproj_all = ex.gather_sequences(temb_s, tproj_s)
-        temb, tproj = temb_all.index_select(0, seq_id), tproj_all.index_select(0, seq_id)
+    first = torch.stack([t[0] for t in steps]) if samples else torch.zeros(0)
+    per_token = torch.tensor([t.numel() > 1 for t in steps], dtype=torch.bool, device=device)
+    temb_s, tproj_s = _time_embed(model, first.to(device), text_local)
+    temb_all, tproj_all, per_token_all = ex.gather_sequences(temb_s, tproj_s, per_token, names=_GATHERED)
+    temb, tproj = temb_all.index_select(0, seq_id), tproj_all.index_select(0, seq_id)
+    own = per_token_all.index_select(0, seq_id)  # routed tokens of per-token samples
+    if bool(own.any()):
+        rows = torch.nonzero(own).flatten()
+        temb_t, tproj_t = _time_embed(model, ts_r.index_select(0, rows), text_local)
+        temb = temb.index_copy(0, rows, temb_t)
+        tproj = tproj.index_copy(0, rows, tproj_t)
     text = ex.route_context(text_local, [int(s.text.shape[0]) for s in samples])
     image = None
     if cfg.added_kv_proj_dim is not None:
@@ -458,24 +360,22 @@ def packed_wan_forward(model, samples: Sequence[WanSample], executor: TokenExecu
             stand_in = torch.zeros(2 if pairs else 1, cfg.image_dim, device=device, dtype=dtype)
             img_local = _embed_image(model, stand_in)[:0]
         image = ex.route_context(img_local, [int(t.shape[0]) for t in imgs])
-    cos, sin = _rope_tables(model, pos)
-    selfp = _SelfPacked(executor=ex, cos=cos, sin=sin)
-    crossp = _CrossPacked(executor=ex, text=text, image=image)
+    cos, sin = rope_tables(model, pos)
+    selfp = SelfPacked(executor=ex, cos=cos, sin=sin)
+    crossp = CrossPacked(executor=ex, text=text, image=image)
     # 4. stock blocks over the packed stream [1, R, D] with per-token modulation [1, R, 6, D]
     h = x[None]
     tb = tproj[None]
     for block in model.blocks:
-        if torch.is_grad_enabled() and model.gradient_checkpointing:
-            h = model._gradient_checkpointing_func(block, h, crossp, tb, selfp)
-        else:
-            h = block(h, crossp, tb, selfp)
+        h = call_block(model, block, h, crossp, tb, selfp)
     # 5. output head per token (the stock per-token form), back to the caller's order
     shift, scale = (model.scale_shift_table.unsqueeze(0) + temb[None].unsqueeze(2)).chunk(2, dim=2)
     h = (model.norm_out(h.float()) * (1 + scale.squeeze(2)) + shift.squeeze(2)).type_as(h)
     out = ex.reverse_route(model.proj_out(h)[0])
-    result = PackedWanOutput(_unpatchify(out, grids, cfg.patch_size))
-    result.flat = out
-    return result
+    return PackedWanOutput.of(_unpatchify(out, grids, cfg.patch_size), out)
+
+
+_GATHERED = ("time embedding", "time projection", "per-token timesteps")
 
 
 def _unpatchify(rows: torch.Tensor, grids, patch) -> list[torch.Tensor]:
@@ -485,3 +385,61 @@ def _unpatchify(rows: torch.Tensor, grids, patch) -> list[torch.Tensor]:
         o = r.reshape(f, h, w, pt, ph, pw, -1).permute(6, 0, 3, 1, 4, 2, 5)
         outs.append(o.reshape(o.shape[0], f * pt, h * ph, w * pw))
     return outs
+
+
+class WanFamily(ModelFamily):
+    """Stock diffusers ``WanTransformer3DModel`` for the tools (preset ``diffusers-wan-tiny``)."""
+
+    name = "diffusers-wan"
+    presets = {"tiny": DiffusersWanConfig}
+
+    def build(self):
+        return build_wan(self.config)
+
+    def workload(self, gamma: float = 1.0) -> WorkloadModel:
+        return self.config.workload(gamma)
+
+    def inputs(self, batch):
+        """Wan samples of a batch (visual rows as videos, text rows as text) and the targets of
+        their video rows (text is context, not output; a text-only sequence gets a one-token
+        stand-in video with a zero target)."""
+        cfg = self.config
+        samples = samples_from_batch(batch, cfg, seed=0)
+        lens = [math.prod(s.latents.shape[1:]) // math.prod(cfg.patch_size) for s in samples]
+        parts = [
+            s.target[:v] if s.visual.shape[0] else batch.target.new_zeros(1, cfg.out_dim)
+            for s, v in zip(batch_samples(batch), lens)
+        ]
+        target = torch.cat(parts) if parts else batch.target[:0]
+        return StepInputs(seq_lens=lens, args=samples, target=target)
+
+    def forward(self, model, inputs, executor):
+        return packed_wan_forward(getattr(model, "module", model), inputs.args, executor).flat
+
+    def blocks(self, device, dtype, causal):
+        """One stock ``WanTransformerBlock`` on packed tokens of the given lengths, each sequence
+        cross-attending to ``context_len`` text tokens (what the planner's term assumes)."""
+        if causal:
+            raise ValueError("--causal applies to the transformer presets only (Wan attention is bidirectional)")
+        cfg = self.config
+        model = build_wan(dataclasses.replace(cfg, num_layers=1)).to(device)
+        if dtype != torch.float32:  # (a dtype argument, even float32, makes diffusers warn)
+            model = model.to(dtype)
+        prepare_wan(model)
+        block = model.blocks[0]
+
+        def make(seq_lens, backward):
+            ex = LocalExecutor(seq_lens)
+            T, D = sum(seq_lens), cfg.dim
+            x = torch.randn(1, T, D, device=device, dtype=dtype, requires_grad=backward)
+            temb = torch.randn(1, T, 6, D, device=device, dtype=dtype)
+            ctx = torch.randn(cfg.context_len * len(seq_lens), D, device=device, dtype=dtype)
+            text = ex.route_context(ctx, [cfg.context_len] * len(seq_lens))
+            _, pos = local_positions(seq_lens, device)
+            grid = torch.stack([pos // 4096, (pos // 64) % 64, pos % 64], dim=1)
+            cos, sin = rope_tables(model, grid)
+            cross = CrossPacked(executor=ex, text=text, image=None)
+            selfp = SelfPacked(executor=ex, cos=cos, sin=sin)
+            return block_runner(lambda: block(x, cross, temb, selfp), backward)
+
+        return [("wan", cfg.num_layers, make)]

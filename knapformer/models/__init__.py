@@ -1,15 +1,17 @@
 """Reference DiT models written as user code (no torch.distributed).
 
 Main API: :class:`Transformer`, :class:`MMDiT`, their configs, :func:`preset` (``tiny``,
-``small``, ``flux``), :func:`build_model` and :class:`LocalExecutor` (no balancing).
+``small``, ``flux``) and :func:`build_model`. The executor they call lives in
+:mod:`knapformer.executor`; ``LocalExecutor``, ``TokenExecutor`` and ``local_positions`` are
+re-exported here for code written against the old location.
 """
 
 from __future__ import annotations
 
 import torch.nn as nn
 
+from knapformer.executor import LocalExecutor, TokenExecutor, local_positions
 from knapformer.model_configs import PRESETS, MMDiTConfig, TransformerConfig, preset
-from knapformer.models.executor import LocalExecutor, TokenExecutor, local_positions
 from knapformer.models.mmdit import MMDiT
 from knapformer.models.transformer import Transformer
 

@@ -31,8 +31,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from knapformer.executor import LocalExecutor, TokenExecutor, local_positions
 from knapformer.model_configs import MMDiTConfig
-from knapformer.models.executor import LocalExecutor, TokenExecutor, local_positions
 from knapformer.models.layers import RMSNorm, apply_rope, merge_streams, modulate, split_streams, timestep_embedding
 
 __all__ = ["MMDiTConfig", "MMDiT", "TokenMeta", "token_meta"]

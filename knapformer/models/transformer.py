@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
+from knapformer.executor import LocalExecutor, TokenExecutor
 from knapformer.model_configs import TransformerConfig
-from knapformer.models.executor import LocalExecutor, TokenExecutor
 from knapformer.models.layers import RMSNorm, SwiGLU, apply_rope
 
 __all__ = ["TransformerConfig", "Transformer"]

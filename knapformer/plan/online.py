@@ -28,15 +28,16 @@ would catch it). Pure numpy.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from knapformer.cost_terms import COST_TERMS, coefficients, with_coefficients
 from knapformer.plan.plan import RankFeatures
 from knapformer.workload import WorkloadModel
+from knapformer.workload_fit import nonneg_lstsq
 
 __all__ = ["OnlineFit", "Observation"]
 
@@ -110,7 +111,7 @@ class OnlineFit:
         for age, obs in enumerate(reversed(self.history)):
             f = obs.features
             ok = np.isfinite(obs.seconds) & (obs.seconds > 0)
-            X.append(np.stack([f.tokens, f.attn, f.seqs], axis=1)[ok])
+            X.append(f.matrix()[ok])
             y.append(obs.seconds[ok])
             w.append(np.full(int(ok.sum()), self.forget**age))
             rank.append(np.flatnonzero(ok))
@@ -129,12 +130,12 @@ class OnlineFit:
         coef = self._solve(X, y, w, speed[rank])
         est = None
         if self.estimate_speed:
-            pred = X @ coef[:3]
+            pred = X @ coef[:-1]
             ratio = np.full(S, np.nan)
             for r in range(S):
                 sel = (rank == r) & (pred > 0)
                 if sel.any():
-                    ratio[r] = np.median(pred[sel] / np.maximum(y[sel] - coef[3], 1e-12))
+                    ratio[r] = np.median(pred[sel] / np.maximum(y[sel] - coef[-1], 1e-12))
             good = np.isfinite(ratio)
             if good.any():
                 ratio[~good] = np.median(ratio[good])
@@ -142,24 +143,16 @@ class OnlineFit:
                 est = np.asarray([_round(v, 6) for v in est])
                 coef = self._solve(X, y, w, est[rank])  # refit with the speeds taken out
         layers = self.prior.num_layers
-        if coef[0] <= 0 and coef[1] <= 0:  # degenerate data (e.g. one step of identical ranks): keep the prior
+        terms = coef[:-1]
+        if not any(v > 0 for t, v in zip(COST_TERMS, terms) if t.grows):  # degenerate data: keep the prior
             return self.prior, est
-        model = dataclasses.replace(
-            self.prior,
-            linear=_round(coef[0] / layers),
-            quadratic=_round(coef[1] / layers),
-            per_seq=_round(coef[2] / layers),
-            context_len=0,  # the fit's coefficients already hold the cross-attention term
-            cross=None,
-            gamma=1.0,
-            meta={
-                **self.prior.meta,
-                "units": "seconds per layer",
-                "online_steps": self.steps,
-                "per_call_seconds": _round(coef[3] / layers),
-            },
-        )
-        return model, est
+        meta = {
+            **self.prior.meta,
+            "units": "seconds per layer",
+            "online_steps": self.steps,
+            "per_call_seconds": _round(coef[-1] / layers),
+        }
+        return with_coefficients(self.prior, [_round(v / layers) for v in terms], meta=meta), est
 
     def _solve(self, X: np.ndarray, y: np.ndarray, w: np.ndarray, speed: np.ndarray) -> np.ndarray:
         """Robust non-negative relative least squares: :meth:`_nnls`, then a few solves with
@@ -180,10 +173,8 @@ class OnlineFit:
     def _nnls(self, A: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
         """Non-negative relative least squares with a ridge towards the rescaled prior; ``A``:
         the features over speed, then a column of ones (the per-step constant)."""
-        p = (
-            np.asarray([self.prior.linear_coef, self.prior.quad_coef, self.prior.per_seq_coef, 0.0])
-            * self.prior.num_layers
-        )
+        p = np.append(coefficients(self.prior), 0.0) * self.prior.num_layers
+        n = p.size - 1  # the cost terms; the last column is the per-step constant
         pred_prior = A @ p
         scale = float(np.sum(w * pred_prior * y / y**2) / max(np.sum(w * pred_prior**2 / y**2), 1e-300))
         target = p * scale  # the prior in seconds
@@ -191,19 +182,11 @@ class OnlineFit:
         rows = [A * rw[:, None]]
         rhs = [y * rw]
         lam = self.ridge * math.sqrt(max(len(y), 1))
-        for j in range(3):
+        for j in range(n):
             if target[j] > 0:
-                e = np.zeros(4)
+                e = np.zeros(n + 1)
                 e[j] = lam / target[j]
                 rows.append(e[None, :])
                 rhs.append(np.asarray([lam]))
         M, b = np.concatenate(rows), np.concatenate(rhs)
-        active = [j for j in range(3) if np.any(A[:, j] > 0)] + [3]
-        coef = np.zeros(4)
-        while active:
-            sol, *_ = np.linalg.lstsq(M[:, active], b, rcond=None)
-            if (sol >= 0).all():
-                coef[active] = sol
-                break
-            active = [j for j, v in zip(active, sol) if v >= 0]
-        return coef
+        return nonneg_lstsq(M, b, [j for j in range(n) if np.any(A[:, j] > 0)] + [n])

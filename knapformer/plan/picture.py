@@ -33,8 +33,8 @@ def _shares(plan: Plan):
     for g, d, n in zip(gid.tolist(), plan.chunks[:, DST].tolist(), plan.chunks[:, LEN].tolist()):
         held[(g, d)] = held.get((g, d), 0) + n
     out = []
-    for g, b in enumerate(plan.seq_bag.tolist()):
-        members = plan.bags[b]
+    for g, b in enumerate(plan.seq_group.tolist()):
+        members = plan.groups[b]
         k = len(members)
         for m in members:
             n = held.get((g, m), 0)
@@ -91,7 +91,7 @@ def plot_plan(plan: Plan, path: str | Path, *, title: str | None = None) -> None
     st = plan.stats()
     ax.set_title(
         title
-        or f"{plan.solver}: {S} ranks, {len(plan.seq_bag)} sequences, imbalance {st['imbalance_before']:.3f} -> "
+        or f"{plan.solver}: {S} ranks, {len(plan.seq_group)} sequences, imbalance {st['imbalance_before']:.3f} -> "
         f"{st['imbalance_after']:.3f}, makespan/bound {st['gap_to_bound']:.4f}",
         fontsize=9,
     )

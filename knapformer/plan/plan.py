@@ -1,10 +1,10 @@
 """The ``Plan`` value: where every chunk of every sequence goes, and what that predicts.
 
 A plan gives each sequence a *group*: an ordered tuple of distinct ranks of the balancing
-group (``bags[seq_bag[g]]``); the sequence is cut into one contiguous chunk per member, chunk
-i on member i. In a bag layout the groups are the layout's bags, a partition of the ranks; in
-per-sequence plans groups may overlap arbitrarily (a rank runs some sequences alone and
-chunks of others with different partners). A solver only decides ``seq_bag``;
+group (``groups[seq_group[g]]``); the sequence is cut into one contiguous chunk per member,
+chunk i on member i. In a bag layout the groups are the layout's bags, a partition of the
+ranks; in per-sequence plans groups may overlap arbitrarily (a rank runs some sequences alone
+and chunks of others with different partners). A solver only decides ``seq_group``;
 :func:`chunk_table` turns that into the chunk table the executor follows, so every solver cuts
 sequences the same way:
 
@@ -33,9 +33,11 @@ from typing import Any
 
 import numpy as np
 
+from knapformer.cost_terms import COST_TERMS, coefficients
 from knapformer.plan.cost import comm_features, route_seconds, ulysses_seconds
-from knapformer.plan.problem import PlanProblem, moldable_lower_bound, validate_seq_lens
-from knapformer.plan.seqindex import DST, IDX, LEN, SRC, START, SeqIndex, spread_over_groups, sum_by
+from knapformer.plan.problem import PlanProblem, moldable_lower_bound
+from knapformer.plan.seqindex import DST, IDX, LEN, SRC, SeqIndex, group_arrays, spread_over_groups, sum_by
+from knapformer.plan.validate import InvalidPlanError, check_plan
 from knapformer.workload import WorkloadModel
 
 __all__ = [
@@ -51,26 +53,13 @@ __all__ = [
 ]
 
 
-class InvalidPlanError(ValueError):
-    """A plan breaks an invariant (names the first breach found)."""
-
-
-def _group_arrays(groups) -> tuple[np.ndarray, np.ndarray]:
-    """(G,) group sizes and (G, max size) group ranks padded with -1."""
-    sizes = np.fromiter((len(g) for g in groups), dtype=np.int64, count=len(groups))
-    mat = np.full((len(groups), int(sizes.max()) if len(groups) else 1), -1, dtype=np.int64)
-    for i, g in enumerate(groups):
-        mat[i, : len(g)] = g
-    return sizes, mat
-
-
 def chunk_table(index: SeqIndex, groups, seq_group: np.ndarray) -> np.ndarray:
     """Vectorised chunking of every sequence in its group (see module docstring)."""
     n = index.num_seqs
     if n == 0:
         return np.zeros((0, 5), dtype=np.int64)
     lengths = index.lengths
-    sizes, mat = _group_arrays(groups)
+    sizes, mat = group_arrays(groups)
     k = sizes[seq_group]
     base, rem = lengths // k, lengths % k
     # Rotation offset: leftovers of earlier sequences in the same group, in global id order.
@@ -100,7 +89,8 @@ def chunk_table(index: SeqIndex, groups, seq_group: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class RankFeatures:
-    """What a rank's predicted time is made of, per rank (S,): the cost model prices these."""
+    """What a rank's predicted time is made of, per rank (S,): the cost model prices these.
+    One field per term of :data:`~knapformer.cost_terms.COST_TERMS` (same names)."""
 
     tokens: np.ndarray
     """Tokens the rank holds after routing (linear work)."""
@@ -109,9 +99,13 @@ class RankFeatures:
     seqs: np.ndarray
     """Sequences whose group it is in (per-sequence cost)."""
 
+    def matrix(self) -> np.ndarray:
+        """(S, terms) the features in :data:`~knapformer.cost_terms.COST_TERMS` order."""
+        return np.stack([np.asarray(getattr(self, t.name), dtype=np.float64) for t in COST_TERMS], axis=1)
+
     def cost(self, model: WorkloadModel) -> np.ndarray:
         """(S,) predicted work under ``model`` (same units as ``model.cost``)."""
-        return model.linear_coef * self.tokens + model.quad_coef * self.attn + model.per_seq_coef * self.seqs
+        return self.matrix() @ coefficients(model)
 
 
 def rank_features(index: SeqIndex, groups, seq_group: np.ndarray, chunks: np.ndarray) -> RankFeatures:
@@ -132,12 +126,12 @@ class Plan:
 
     seq_lens: tuple[tuple[int, ...], ...]
     """Input lengths per rank."""
-    bags: tuple[tuple[int, ...], ...]
+    groups: tuple[tuple[int, ...], ...]
     """The groups sequences run on: ordered tuples of distinct group ranks (chunk position j of
-    group i lives on ``bags[i][j]``). A bag layout's bags partition the ranks; per-sequence
+    group i lives on ``groups[i][j]``). A bag layout's bags partition the ranks; per-sequence
     plans may use overlapping groups of any sizes."""
-    seq_bag: np.ndarray
-    """(n,) group (index into ``bags``) of each sequence, global rank-major order."""
+    seq_group: np.ndarray
+    """(n,) group (index into ``groups``) of each sequence, global rank-major order."""
     chunks: np.ndarray
     """(m, 5) rows ``[src_rank, seq_index, start, length, dst_rank]``."""
     time_before: np.ndarray
@@ -159,6 +153,16 @@ class Plan:
     part of the digest)."""
 
     # -- derived ---------------------------------------------------------------------------
+    @property
+    def bags(self) -> tuple[tuple[int, ...], ...]:
+        """Old name of :attr:`groups` (kept for code written before the rename)."""
+        return self.groups
+
+    @property
+    def seq_bag(self) -> np.ndarray:
+        """Old name of :attr:`seq_group`."""
+        return self.seq_group
+
     @property
     def num_ranks(self) -> int:
         return len(self.seq_lens)
@@ -197,17 +201,17 @@ class Plan:
 
     def group_sizes(self) -> np.ndarray:
         """(n,) parallel degree k of each sequence."""
-        return np.fromiter((len(b) for b in self.bags), dtype=np.int64, count=len(self.bags))[self.seq_bag]
+        return np.fromiter((len(b) for b in self.groups), dtype=np.int64, count=len(self.groups))[self.seq_group]
 
     @property
     def is_partition(self) -> bool:
         """True when the groups partition the ranks (a bag layout); False for overlapping groups."""
-        members = [r for b in self.bags for r in b]
+        members = [r for b in self.groups for r in b]
         return len(members) == len(set(members))
 
     def features(self) -> RankFeatures:
         """Per-rank tokens, attention share and sequence count under this plan."""
-        return rank_features(self.index, self.bags, self.seq_bag, self.chunks)
+        return rank_features(self.index, self.groups, self.seq_group, self.chunks)
 
     def stats(self) -> dict[str, float]:
         return {
@@ -221,11 +225,11 @@ class Plan:
         }
 
     def digest(self) -> str:
-        """Hash of what the executor depends on (lengths, groups, seq_bag, chunks): equal
+        """Hash of what the executor depends on (lengths, groups, seq_group, chunks): equal
         across ranks exactly when they will move the same data."""
         h = hashlib.sha256()
-        h.update(json.dumps([self.seq_lens, self.bags]).encode())
-        h.update(np.ascontiguousarray(self.seq_bag, dtype=np.int64).tobytes())
+        h.update(json.dumps([self.seq_lens, self.groups]).encode())
+        h.update(np.ascontiguousarray(self.seq_group, dtype=np.int64).tobytes())
         h.update(np.ascontiguousarray(self.chunks, dtype=np.int64).tobytes())
         return h.hexdigest()
 
@@ -235,7 +239,7 @@ class Plan:
         first breach: groups of distinct ranks of the group, every sequence covered exactly
         by contiguous chunks in group order (at most one per member, none on a non-member),
         the memory cap, and no makespan below the lower bound."""
-        _check(self)
+        check_plan(self)
 
     def plot(self, path, *, title: str | None = None) -> None:
         """A PNG of the plan (:func:`knapformer.plan.picture.plot_plan`; needs matplotlib)."""
@@ -260,105 +264,12 @@ class Plan:
         return _plan_from_dict(json.loads(text))
 
 
-def _fail(message: str) -> None:
-    raise InvalidPlanError(message)
-
-
-def _check(plan: Plan) -> None:
-    try:
-        lens = validate_seq_lens(plan.seq_lens)
-    except ValueError as exc:
-        _fail(f"plan.seq_lens: {exc}")
-    S = len(lens)
-    index = plan.index
-    n = index.num_seqs
-    if not plan.bags and n:
-        _fail("plan has sequences but no groups")
-    for i, g in enumerate(plan.bags):
-        if len(g) == 0:
-            _fail(f"group {i} is empty")
-        if len(set(g)) != len(g):
-            _fail(f"group {i} {tuple(g)} repeats a rank")
-        bad = [r for r in g if not (isinstance(r, (int, np.integer)) and 0 <= r < S)]
-        if bad:
-            _fail(f"group {i} {tuple(g)} has rank {bad[0]!r} outside the group's {S} ranks")
-    sb = np.asarray(plan.seq_bag)
-    if sb.shape != (n,):
-        _fail(f"seq_bag has shape {sb.shape}, expected ({n},)")
-    if n and (sb.min() < 0 or sb.max() >= len(plan.bags)):
-        _fail(
-            f"seq_bag names group {int(sb.max() if sb.max() >= len(plan.bags) else sb.min())}, "
-            f"the plan has {len(plan.bags)}"
-        )
-    ch = plan.chunks
-    if ch.ndim != 2 or ch.shape[1] != 5:
-        _fail(f"chunk table has shape {ch.shape}, expected (m, 5)")
-    if (ch[:, LEN] <= 0).any():
-        _fail("chunk with non-positive length")
-    if ((ch[:, SRC] < 0) | (ch[:, SRC] >= S) | (ch[:, DST] < 0) | (ch[:, DST] >= S)).any():
-        _fail(f"chunk with a source or destination outside the group's {S} ranks")
-    if ((ch[:, IDX] < 0) | (ch[:, IDX] >= index.counts[ch[:, SRC]])).any():
-        row = int(np.flatnonzero((ch[:, IDX] < 0) | (ch[:, IDX] >= index.counts[ch[:, SRC]]))[0])
-        _fail(f"chunk row {row} names sequence {int(ch[row, IDX])} of rank {int(ch[row, SRC])}, which does not exist")
-    key = ch[:, SRC] * (1 << 32) + ch[:, IDX]
-    if (np.diff(key) < 0).any():
-        _fail("chunk table is not sorted by (src, seq_index)")
-    gid = plan.chunk_gid
-    seen = np.bincount(gid, minlength=n)
-    if n and (seen == 0).any():
-        g = int(np.flatnonzero(seen == 0)[0])
-        _fail(f"sequence ({int(index.src_rank[g])},{int(index.seq_index[g])}) has no chunks")
-    # vectorised per-sequence checks over rows sorted by (gid, start)
-    first_row = np.concatenate([[True], gid[1:] != gid[:-1]]) if gid.size else np.zeros(0, dtype=bool)
-    last_row = np.concatenate([gid[1:] != gid[:-1], [True]]) if gid.size else np.zeros(0, dtype=bool)
-    starts, lengths = ch[:, START], ch[:, LEN]
-
-    def where(mask):
-        g = int(gid[np.flatnonzero(mask)[0]])
-        return f"sequence ({int(index.src_rank[g])},{int(index.seq_index[g])})"
-
-    bad = first_row & (starts != 0)
-    if bad.any():
-        _fail(f"{where(bad)} does not start at token 0")
-    cont = np.ones(gid.size, dtype=bool)
-    cont[1:] = first_row[1:] | (starts[1:] == starts[:-1] + lengths[:-1])
-    if not cont.all():
-        _fail(f"{where(~cont)} chunks are not contiguous")
-    bad = last_row & (starts + lengths != index.lengths[gid])
-    if bad.any():
-        _fail(f"{where(bad)} is not covered exactly")
-    if ch.shape[0]:
-        sizes, mat = _group_arrays(plan.bags)
-        grp = sb[gid]
-        member = mat[grp] == ch[:, DST][:, None]
-        inside = member.any(axis=1)
-        if not inside.all():
-            _fail(
-                f"{where(~inside)} has a chunk on rank {int(ch[np.flatnonzero(~inside)[0], DST])}, "
-                f"not a member of its group {tuple(plan.bags[int(grp[np.flatnonzero(~inside)[0]])])}"
-            )
-        pos = member.argmax(axis=1)
-        order = np.ones(gid.size, dtype=bool)
-        order[1:] = first_row[1:] | (pos[1:] > pos[:-1])
-        if not order.all():
-            _fail(f"{where(~order)} chunks are not in group order / one per member")
-    if plan.max_tokens_per_rank is not None:
-        tok = plan.tokens_per_rank()
-        worst = int(np.argmax(tok)) if tok.size else 0
-        if tok.size and tok[worst] > plan.max_tokens_per_rank:
-            _fail(f"rank {worst} holds {tok[worst]} tokens > max_tokens_per_rank={plan.max_tokens_per_rank}")
-    if plan.time_after.shape != (S,) or plan.time_before.shape != (S,):
-        _fail(f"time_before/time_after must have one entry per rank ({S})")
-    if plan.makespan < plan.lower_bound * (1 - 1e-9):
-        _fail("plan beats its lower bound")
-
-
 def _plan_to_dict(plan: Plan) -> dict[str, Any]:
     return {
         "solver": plan.solver,
         "seq_lens": [list(r) for r in plan.seq_lens],
-        "bags": [list(b) for b in plan.bags],
-        "seq_bag": plan.seq_bag.tolist(),
+        "groups": [list(b) for b in plan.groups],
+        "seq_group": plan.seq_group.tolist(),
         "chunks": plan.chunks.tolist(),
         "time_before": plan.time_before.tolist(),
         "time_after": plan.time_after.tolist(),
@@ -374,17 +285,18 @@ def _plan_to_dict(plan: Plan) -> dict[str, Any]:
 def _plan_from_dict(d: dict[str, Any]) -> Plan:
     if not isinstance(d, dict):
         raise ValueError(f"a plan must be a JSON object, got {type(d).__name__}")
-    # files written before the rename call the times "work_*"
+    # files written before the renames call the times "work_*" and the groups "bags"/"seq_bag"
     before = d.get("time_before", d.get("work_before"))
     after = d.get("time_after", d.get("work_after"))
-    missing = [k for k, v in (("seq_lens", 1), ("bags", 1), ("seq_bag", 1), ("chunks", 1)) if k not in d]
+    d = {"groups": d.get("bags"), "seq_group": d.get("seq_bag"), **{k: v for k, v in d.items() if v is not None}}
+    missing = [k for k in ("seq_lens", "groups", "seq_group", "chunks") if d.get(k) is None]
     if missing or before is None or after is None:
         raise ValueError(f"plan JSON lacks {missing or ['time_before/time_after']}")
     try:
         return Plan(
             seq_lens=tuple(tuple(int(v) for v in r) for r in d["seq_lens"]),
-            bags=tuple(tuple(int(v) for v in b) for b in d["bags"]),
-            seq_bag=np.asarray(d["seq_bag"], dtype=np.int64).reshape(-1),
+            groups=tuple(tuple(int(v) for v in b) for b in d["groups"]),
+            seq_group=np.asarray(d["seq_group"], dtype=np.int64).reshape(-1),
             chunks=np.asarray(d["chunks"], dtype=np.int64).reshape(-1, 5),
             time_before=np.asarray(before, dtype=np.float64),
             time_after=np.asarray(after, dtype=np.float64),
@@ -418,19 +330,19 @@ def rank_times(problem: PlanProblem, groups, seq_group: np.ndarray, chunks: np.n
 
 
 def build_plan(
-    problem: PlanProblem, seq_bag: np.ndarray, *, solver: str, plan_seconds: float = 0.0, groups=None
+    problem: PlanProblem, seq_group: np.ndarray, *, solver: str, plan_seconds: float = 0.0, groups=None
 ) -> Plan:
-    """Chunk ``seq_bag`` into a full :class:`Plan` and check the memory cap. ``groups``
+    """Chunk ``seq_group`` into a full :class:`Plan` and check the memory cap. ``groups``
     defaults to the problem's bags (per-sequence solvers pass the groups they chose)."""
-    seq_bag = np.ascontiguousarray(seq_bag, dtype=np.int64)
+    seq_group = np.ascontiguousarray(seq_group, dtype=np.int64)
     groups = problem.bags if groups is None else tuple(tuple(int(r) for r in g) for g in groups)
-    chunks = chunk_table(problem.index, groups, seq_bag)
-    time_after = rank_times(problem, groups, seq_bag, chunks)
+    chunks = chunk_table(problem.index, groups, seq_group)
+    time_after = rank_times(problem, groups, seq_group, chunks)
     moved = int(chunks[chunks[:, SRC] != chunks[:, DST], LEN].sum())
     plan = Plan(
         seq_lens=problem.seq_lens,
-        bags=groups,
-        seq_bag=seq_bag,
+        groups=groups,
+        seq_group=seq_group,
         chunks=chunks,
         time_before=problem.time_before,
         time_after=time_after,

@@ -15,7 +15,7 @@ from functools import cached_property
 
 import numpy as np
 
-__all__ = ["DST", "IDX", "LEN", "SRC", "START", "SeqIndex", "spread_over_groups", "sum_by"]
+__all__ = ["DST", "IDX", "LEN", "SRC", "START", "SeqIndex", "group_arrays", "spread_over_groups", "sum_by"]
 
 SRC, IDX, START, LEN, DST = range(5)
 """Columns of a chunk table row ``[src_rank, seq_index, start, length, dst_rank]``."""
@@ -91,3 +91,12 @@ def spread_over_groups(groups, seq_group: np.ndarray, per_seq: np.ndarray, num_r
     members = np.fromiter((r for g in groups for r in g), dtype=np.int64)
     owner = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
     return sum_by(members, per_group[owner], num_ranks)
+
+
+def group_arrays(groups) -> tuple[np.ndarray, np.ndarray]:
+    """(G,) group sizes and (G, max size) group ranks padded with -1."""
+    sizes = np.fromiter((len(g) for g in groups), dtype=np.int64, count=len(groups))
+    mat = np.full((len(groups), int(sizes.max()) if len(groups) else 1), -1, dtype=np.int64)
+    for i, g in enumerate(groups):
+        mat[i, : len(g)] = g
+    return sizes, mat

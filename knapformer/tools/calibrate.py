@@ -27,11 +27,10 @@ from pathlib import Path
 
 import torch
 
+from knapformer.integrations.registry import resolve_model
 from knapformer.tools.calibrate_args import add_args
 from knapformer.tools.cli_support import progress as cli_progress
 from knapformer.tools.cli_support import run_tool
-from knapformer.tools.families import family_for
-from knapformer.tools.presets import preset
 from knapformer.workload import WorkloadModel
 from knapformer.workload_fit import Fit, Timing, check_lengths, fit_cost, fit_paper_style
 
@@ -111,8 +110,8 @@ def calibrate(
     progress: bool = True,
 ) -> tuple[WorkloadModel, dict]:
     """Measure, fit and evaluate; returns the profile and a report dict."""
-    cfg = preset(model_name)
-    family = family_for(cfg)
+    family = resolve_model(model_name)
+    cfg, dims = family.config, family.dims()
     if mode not in ("fwd", "fwd+bwd"):
         raise ValueError(f"mode must be 'fwd' or 'fwd+bwd', got {mode!r}")
     if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
@@ -132,10 +131,10 @@ def calibrate(
         # thread CPU time sees only this thread: time one-threaded, as each simulator rank runs
         torch.set_num_threads(1)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    runners = family.blocks(cfg, dev, dtype, causal)  # raises for families without block timing
+    runners = family.blocks(dev, dtype, causal)  # raises for families without block timing
     fit_batches = [[n] for n in lengths] + fit_mixes
     held_batches = [[n] for n in holdout] + holdout_mixes
-    check_memory(fit_batches + held_batches, cfg.dim, dev)
+    check_memory(fit_batches + held_batches, dims.dim, dev)
     timer = _Timer(dev)
     backward = mode == "fwd+bwd"
     per_block = {}
@@ -175,7 +174,7 @@ def calibrate(
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_name(),
         "torch": torch.__version__,
         "model": model_name,
-        "model_config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
+        "model_config": {k: getattr(cfg, k) for k in getattr(cfg, "__dataclass_fields__", {})},
         "mode": mode,
         "dtype": str(dtype).replace("torch.", ""),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -186,7 +185,7 @@ def calibrate(
         "lengths": {"fit": lengths, "holdout": holdout, "fit_mixes": fit_mixes, "holdout_mixes": holdout_mixes},
     }
     profile = WorkloadModel(
-        d_model=cfg.dim,
+        d_model=dims.dim,
         num_layers=layers,
         causal=causal,
         linear=mix["a"],

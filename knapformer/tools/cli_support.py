@@ -16,15 +16,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from knapformer.config import ATTN_BACKENDS, BalancerConfig
+from knapformer.config import ATTN_BACKENDS
 from knapformer.plan import DEFAULT_SOLVER, SOLVERS
 from knapformer.workload import WorkloadModel
 
 __all__ = [
     "CliError",
     "Parser",
+    "BALANCER_FLAGS",
     "add_balancer_args",
-    "balancer_config_from_args",
+    "balancer_settings",
     "cost_model_from_args",
     "finite_float",
     "load_seq_lens",
@@ -215,22 +216,26 @@ def cost_model_from_args(
     return WorkloadModel(d_model=d_model, gamma=args.gamma, causal=causal, num_layers=num_layers)
 
 
-def balancer_config_from_args(args: argparse.Namespace, *, cost: WorkloadModel, layout: str) -> BalancerConfig:
-    """A :class:`BalancerConfig` from the flags of :func:`add_balancer_args`."""
-    return BalancerConfig(
-        layout=layout,
-        cost=cost,
-        solver=args.solver,
-        max_tokens_per_rank=args.max_tokens,
-        rank_speed=args.rank_speed,
-        attn_backend=args.attn_backend,
-        debug=args.debug,
-        time_budget_s=args.time_budget,
-        measure=args.measure,
-        recalibrate=args.recalibrate,
-        estimate_speed=args.estimate_speed,
-        recalibrate_warmup=args.recalibrate_warmup,
-    )
+BALANCER_FLAGS: dict[str, str] = {
+    "solver": "solver",
+    "max_tokens_per_rank": "max_tokens",
+    "rank_speed": "rank_speed",
+    "time_budget_s": "time_budget",
+    "attn_backend": "attn_backend",
+    "debug": "debug",
+    "measure": "measure",
+    "recalibrate": "recalibrate",
+    "estimate_speed": "estimate_speed",
+    "recalibrate_warmup": "recalibrate_warmup",
+}
+"""``BalancerConfig`` field -> the ``args`` attribute of its flag (from :func:`add_balancer_args`;
+the layout and the cost model have their own flags)."""
+
+
+def balancer_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The :class:`BalancerConfig` settings the flags of :func:`add_balancer_args` gave (only
+    those the parser defined: ``execution=False`` leaves some out)."""
+    return {field: getattr(args, flag) for field, flag in BALANCER_FLAGS.items() if hasattr(args, flag)}
 
 
 def progress(iterable, *, total: int | None = None, desc: str = "", enabled: bool = True):

@@ -26,11 +26,12 @@ from knapformer.cluster import ModelShape, evaluate, hardware, search_layouts
 from knapformer.config import BalancerConfig
 from knapformer.data import sample_seq_lens
 from knapformer.data.codes import mix_num_ranks, resolve_mix
-from knapformer.model_configs import preset
+from knapformer.integrations.registry import model_config
 from knapformer.plan import validate_seq_lens
 from knapformer.tools.cli_support import (
     CliError,
     add_balancer_args,
+    balancer_settings,
     cost_model_from_args,
     load_seq_lens,
     nonneg_float,
@@ -118,12 +119,8 @@ def _balancer(args, shape: ModelShape, hw, compute_profile: WorkloadModel | None
     return BalancerConfig(
         layout=layout,
         cost=cost,
-        solver=args.solver,
-        max_tokens_per_rank=args.max_tokens,
-        rank_speed=args.rank_speed,
-        attn_backend=args.attn_backend,
         link=link if layout == "auto" else None,
-        time_budget_s=args.time_budget,
+        **balancer_settings(args),
     )
 
 
@@ -138,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.gpus > hw.gpus_per_node and args.gpus % hw.gpus_per_node:
         raise ValueError(f"{args.gpus} GPUs is not a whole number of {hw.gpus_per_node}-GPU nodes")
-    shape = ModelShape.from_config(preset(args.model), recompute=args.recompute)
+    shape = ModelShape.from_config(model_config(args.model), recompute=args.recompute)
     compute_profile = WorkloadModel.from_profile(args.compute_profile) if args.compute_profile else None
     if compute_profile is not None and compute_profile.d_model != shape.dim:
         raise ValueError(

@@ -48,7 +48,7 @@ def summary(plan: Plan, layout_spec: str) -> str:
     tok = plan.tokens_per_rank()
     lines = [
         f"layout {layout_spec}  solver {plan.solver}  ranks {plan.num_ranks}  "
-        f"sequences {len(plan.seq_bag)}  chunks {len(plan.chunks)}",
+        f"sequences {len(plan.seq_group)}  chunks {len(plan.chunks)}",
         f"imbalance (max/mean-1): before {st['imbalance_before']:.4f}  after {st['imbalance_after']:.4f}",
         f"makespan / lower bound: {st['gap_to_bound']:.5f}",
         f"tokens moved: {plan.tokens_moved} of {int(tok.sum())}  max tokens/rank: {int(tok.max()) if tok.size else 0}",

@@ -9,9 +9,15 @@ from dataclasses import dataclass
 from knapformer.cluster.hardware import hardware
 from knapformer.config import BalancerConfig
 from knapformer.data.codes import mix_num_ranks, resolve_mix
+from knapformer.integrations.registry import resolve_model
 from knapformer.layout import AutoLayout, parse_layout
-from knapformer.tools.cli_support import add_balancer_args, positive_float, positive_int
-from knapformer.tools.presets import preset
+from knapformer.tools.cli_support import (
+    BALANCER_FLAGS,
+    add_balancer_args,
+    balancer_settings,
+    positive_float,
+    positive_int,
+)
 from knapformer.workload import WorkloadModel
 
 __all__ = ["DEMO_MIX", "SimConfig", "add_args", "config_from_args"]
@@ -33,7 +39,7 @@ class SimConfig:
     bags: str | None = None
     """Bag layout of the balanced run; None = one bag of all ranks (g{ranks}n1)."""
     model: str = "mmdit-small"
-    """Model preset (see ``knapformer.tools.presets``)."""
+    """Model: a preset name or ``module:callable`` (see ``knapformer.integrations.registry``)."""
     steps: int = 6
     """Measured steps per run."""
     warmup: int = 2
@@ -105,20 +111,18 @@ class SimConfig:
     def balancer_config(self, world: int) -> BalancerConfig:
         """The balanced run's :class:`BalancerConfig` for ``world`` ranks (validates every
         setting, and that the layout tiles the world, before any process starts)."""
-        mcfg = preset(self.model)
+        family = resolve_model(self.model)
+        dims = family.dims()
         layout = parse_layout(self.layout(world))
         layout.num_replicas(world)  # raises if the layout's group does not tile the world
-        heads = {"num_heads": mcfg.num_heads, "num_kv_heads": getattr(mcfg, "num_kv_heads", None)}
         if self.profile:
             cost = WorkloadModel.from_profile(self.profile)
-            if cost.d_model != mcfg.dim:
-                raise ValueError(f"profile d_model {cost.d_model} does not match model {self.model!r} (dim {mcfg.dim})")
+            if cost.d_model != dims.dim:
+                raise ValueError(f"profile d_model {cost.d_model} does not match model {self.model!r} (dim {dims.dim})")
             if cost.num_heads is None:
-                cost = dataclasses.replace(cost, **heads)
-        elif hasattr(mcfg, "workload"):  # a family with its own cost form (e.g. Wan's cross-attention)
-            cost = mcfg.workload(gamma=self.gamma)
+                cost = dataclasses.replace(cost, num_heads=dims.num_heads, num_kv_heads=dims.num_kv_heads)
         else:
-            cost = WorkloadModel(d_model=mcfg.dim, gamma=self.gamma, num_layers=mcfg.num_layers, **heads)
+            cost = family.workload(gamma=self.gamma)
         link = None
         default = ("cpu-gloo" if self.device == "cpu" else "h100") if isinstance(layout, AutoLayout) else None
         name = self.hardware or default
@@ -128,21 +132,8 @@ class SimConfig:
             link = hw.link(units_per_second=units)
             if self.dtype == "float32":
                 link = dataclasses.replace(link, bytes_per_value=4)
-        return BalancerConfig(
-            layout=layout,
-            cost=cost,
-            link=link,
-            solver=self.solver,
-            max_tokens_per_rank=self.max_tokens_per_rank,
-            rank_speed=self.rank_speed,
-            attn_backend=self.attn_backend,
-            debug=self.debug,
-            time_budget_s=self.time_budget_s,
-            measure=self.measure,
-            recalibrate=self.recalibrate,
-            estimate_speed=self.estimate_speed,
-            recalibrate_warmup=self.recalibrate_warmup,
-        )
+        settings = {f: getattr(self, f) for f in BALANCER_FLAGS}
+        return BalancerConfig(layout=layout, cost=cost, link=link, **settings)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -195,17 +186,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         seed=args.seed,
         gamma=args.gamma,
         profile=args.profile,
-        solver=args.solver,
-        max_tokens_per_rank=args.max_tokens,
-        rank_speed=args.rank_speed,
-        attn_backend=args.attn_backend,
-        debug=args.debug,
         hardware=args.hardware,
-        time_budget_s=args.time_budget,
-        measure=args.measure,
-        recalibrate=args.recalibrate,
-        estimate_speed=args.estimate_speed,
-        recalibrate_warmup=args.recalibrate_warmup,
         device=args.device,
         checkpointing=args.checkpointing,
         peak_tflops=args.peak_tflops,
@@ -213,4 +194,5 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         progress=not args.no_progress,
         pin_cpus=not args.no_pin,
         keep_memory=not args.no_keep_memory,
+        **balancer_settings(args),
     )

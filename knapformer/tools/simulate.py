@@ -29,11 +29,10 @@ import torch
 import torch.distributed as dist
 
 from knapformer.data.batches import make_batch
-from knapformer.models import LocalExecutor
+from knapformer.executor import LocalExecutor
+from knapformer.integrations.registry import resolve_model
 from knapformer.tools.cli_support import progress as cli_progress
 from knapformer.tools.cli_support import run_tool
-from knapformer.tools.families import family_for
-from knapformer.tools.presets import preset
 from knapformer.tools.sim_config import DEMO_MIX, SimConfig, add_args, config_from_args
 from knapformer.workload import WorkloadModel
 
@@ -100,7 +99,6 @@ def _sync_grads(model: torch.nn.Module, world: int) -> None:
 def _worker(rank: int, world: int, cfg: SimConfig) -> dict:
     from knapformer.distributed import SequenceBalancer
     from knapformer.testing import keep_freed_memory, pin_to_core
-    from knapformer.tools.parallelize import apply_checkpointing
 
     if cfg.device == "cpu":
         torch.set_num_threads(1)
@@ -111,18 +109,18 @@ def _worker(rank: int, world: int, cfg: SimConfig) -> dict:
             pin_to_core(int(os.environ.get("LOCAL_RANK", rank)), local_world)
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
     dtype = getattr(torch, cfg.dtype)
-    mcfg = preset(cfg.model)
-    family = family_for(mcfg)
+    family = resolve_model(cfg.model)
+    dims = family.dims()
     torch.manual_seed(cfg.seed)
-    base = family.build(mcfg).to(device=device)
+    base = family.build().to(device=device)
     if dtype != torch.float32:
         base = base.to(dtype=dtype)
     if cfg.checkpointing:
-        apply_checkpointing(base)
+        family.enable_checkpointing(base)
     models = {"unbalanced": base, "balanced": copy.deepcopy(base)}
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
     bal = SequenceBalancer(cfg.balancer_config(world))
-    flops_model = WorkloadModel(d_model=mcfg.dim, num_layers=mcfg.num_layers)
+    flops_model = WorkloadModel(d_model=dims.dim, num_layers=dims.num_layers)
     peak = cfg.peak_tflops * 1e12 if cfg.peak_tflops else _probe_peak(device, dtype)
     records = []
     total_steps = cfg.warmup + cfg.steps
@@ -138,16 +136,16 @@ def _worker(rank: int, world: int, cfg: SimConfig) -> dict:
             step=step,
             seed=cfg.seed,
             scale=cfg.scale,
-            in_dim=mcfg.in_dim,
-            vec_dim=getattr(mcfg, "vec_dim", 1),
-            out_dim=mcfg.out_dim,
+            in_dim=dims.in_dim,
+            vec_dim=dims.vec_dim,
+            out_dim=dims.out_dim,
             dtype=dtype,
         )
         batch = _to(batch, device)
         counts = torch.tensor([batch.num_tokens], dtype=torch.int64, device=device)
         dist.all_reduce(counts)
         global_tokens = int(counts)
-        inputs = family.inputs(batch, mcfg)  # built once per step, used by both runs
+        inputs = family.inputs(batch)  # built once per step, used by both runs
         for mode in ("unbalanced", "balanced"):
             model, opt = models[mode], opts[mode]
             dist.barrier()

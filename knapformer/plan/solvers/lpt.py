@@ -226,8 +226,8 @@ def solve_lpt(problem: PlanProblem, *, time_budget_s: float | None = None) -> Pl
     assert candidates, "every start meets the cap, so local search keeps one"
     best = min(candidates, key=lambda p: p.makespan)
     if best.makespan > stop_at:  # small inputs: search exactly from the best plan so far
-        exact = branch_and_bound(problem, best.seq_bag, max_nodes=opts.bnb_nodes)
-        if exact is not best.seq_bag:
+        exact = branch_and_bound(problem, best.seq_group, max_nodes=opts.bnb_nodes)
+        if exact is not best.seq_group:
             candidates.append(build_plan(problem, relabel_for_locality(problem, exact), solver="lpt"))
             best = min(candidates, key=lambda p: p.makespan)
     tied = [p for p in candidates if p.makespan <= min(best.makespan * (1 + tol), ceiling)]

@@ -35,17 +35,10 @@ from dataclasses import dataclass
 import torch
 
 from knapformer.distributed.ops import all_to_all, permute_rows
-from knapformer.distributed.spec import RouteSpec, UlyssesLayout, heads_error
+from knapformer.distributed.spec import RouteSpec
+from knapformer.distributed.ulysses.layout import UlyssesLayout, heads_error, ulysses_layout
 
-__all__ = [
-    "AttnBatch",
-    "UlyssesCall",
-    "check_heads",
-    "flatten_pairs",
-    "post_attn_batches",
-    "pre_attn_batches",
-    "unflatten_pairs",
-]
+__all__ = ["AttnBatch", "UlyssesCall", "check_heads", "post_attn_batches", "pre_attn_batches"]
 
 
 @dataclass
@@ -62,7 +55,7 @@ class AttnBatch:
 
 def check_heads(h: int, h_kv: int, spec: RouteSpec) -> str:
     """Why these head counts cannot run the plan ("" if they can); the same on every rank."""
-    return heads_error(spec.group_sizes, h, h_kv)
+    return heads_error(spec.used_groups, h, h_kv)
 
 
 def _slot(buf: torch.Tensor, off: int, n: int, width: int) -> torch.Tensor:
@@ -79,7 +72,7 @@ class _Pack(torch.autograd.Function):
         ctx.shapes = [t.shape for t in (q, k, v)]
         tensors = (q, k, v)
         buf = q.new_empty(sum(layout.pre_send))
-        for t, r0, r1, h0, h1, off, width, f in layout.pre_segments:
+        for t, r0, r1, h0, h1, off, width, f in layout.pre_segments:  # PackSegment fields
             src = tensors[t][r0 - lo : r1 - lo, h0:h1]
             dst = _slot(buf, off, r1 - r0, width)[:, f : f + src.shape[1] * src.shape[2]]
             dst.view(src.shape).copy_(src)
@@ -128,7 +121,7 @@ class _Unpack(torch.autograd.Function):
         ctx.layout, ctx.lo, ctx.n = layout, lo, buf.shape[0]
         out = buf.new_empty(shape)
         dv = shape[2]
-        for off, width, r0, r1, h0, h1 in layout.post_segments:
+        for off, width, r0, r1, h0, h1 in layout.post_segments:  # UnpackSegment fields
             out[r0 - lo : r1 - lo, h0:h1].copy_(_slot(buf, off, r1 - r0, width).view(r1 - r0, h1 - h0, dv))
         return out
 
@@ -199,7 +192,7 @@ def pre_attn_batches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Ro
     its single-rank sequences (views, no copy), then one batch per multi-rank degree."""
     heads = (q.shape[1], k.shape[1], q.shape[2], v.shape[2])
     h, h_kv, d, dv = heads
-    lay = spec.ulysses(h, h_kv, d, dv) if spec.has_ulysses else None  # checks the heads on first use
+    lay = ulysses_layout(spec, h, h_kv, d, dv) if spec.has_ulysses else None  # checks the heads on first use
     idx = spec.indices_on(q.device)
     if not spec.has_ulysses:  # nothing of the plan needs an exchange: every row is run alone
         local = AttnBatch(1, q, k, v, idx["local_cu_seqlens"], max(spec.local_seq_lens, default=0))
@@ -220,13 +213,13 @@ def pre_attn_batches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Ro
         send = _Pack.apply(lay, n1, lay.replicated, qm, km, vm)
     recv = all_to_all(send, lay.pre_send, lay.pre_recv, group)
     if lay.degrees:
-        gathers, _, cus = lay.indices_on(q.device)
+        idx = lay.indices_on(q.device)
         rows = recv.view(-1, lay.pre_rows)
-        if len(gathers) > len(lay.degrees):  # a permutation of every received row, inverse appended
-            parts = (permute_rows(rows, *gathers),)
+        if idx.gather_inverse is not None:  # a permutation of every received row
+            parts = (permute_rows(rows, idx.gathers[0], idx.gather_inverse),)
         else:
-            parts = _GatherRows.apply(rows.shape[0], rows, *gathers)
-        for deg, (hq, hkv, w), part, cu, mx in zip(lay.degrees, lay.widths, parts, cus, lay.max_len):
+            parts = _GatherRows.apply(rows.shape[0], rows, *idx.gathers)
+        for deg, (hq, hkv, w), part, cu, mx in zip(lay.degrees, lay.widths, parts, idx.cu_seqlens, lay.max_len):
             # one split (its backward is one cat of dq, dk, dv; slices would each zero-fill a copy)
             qs, ks, vs = torch.split(part.view(-1, w), [hq * d, hkv * d, hkv * dv], dim=1)
             batches.append(
@@ -240,16 +233,16 @@ def post_attn_batches(call: UlyssesCall, outs: list[torch.Tensor], spec: RouteSp
     if call.anchor is None:
         return outs[0]
     h, h_kv, d, dv = call.heads
-    lay = spec.ulysses(h, h_kv, d, dv)
+    lay = ulysses_layout(spec, h, h_kv, d, dv)
     local = [o for b, o in zip(call.batches, outs) if b.degree == 1]
     multi = [o for b, o in zip(call.batches, outs) if b.degree > 1]
     if len(multi) == 1:  # one degree: the scatter is a permutation, applied as a gather
-        _, (scatter, inverse), _ = lay.indices_on(multi[0].device)
-        send = permute_rows(multi[0].reshape(-1, lay.post_rows), inverse, scatter).reshape(-1)
+        idx = lay.indices_on(multi[0].device)
+        send = permute_rows(multi[0].reshape(-1, lay.post_rows), idx.scatter_inverse, idx.scatters[0]).reshape(-1)
     elif multi:
-        _, scatters, _ = lay.indices_on(multi[0].device)
+        idx = lay.indices_on(multi[0].device)
         xs = [o.reshape(-1, lay.post_rows) for o in multi]
-        send = _ScatterRows.apply(sum(lay.post_send) // lay.post_rows, len(xs), *xs, *scatters).reshape(-1)
+        send = _ScatterRows.apply(sum(lay.post_send) // lay.post_rows, len(xs), *xs, *idx.scatters).reshape(-1)
     else:
         # nothing to send back; the empty buffer still hangs off the pre exchange so that this
         # rank joins both backward exchanges the other ranks are in
@@ -264,66 +257,3 @@ def post_attn_batches(call: UlyssesCall, outs: list[torch.Tensor], spec: RouteSp
     else:
         out_m = _Unpack.apply(lay, n1, shape, recv)
     return torch.cat([local[0], out_m]) if local else out_m
-
-
-def _pair_index(batch: AttnBatch) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """Rows of ``q.view(A * hq, D)`` and ``k.view(A * hkv, D)`` in (sequence, query head, token)
-    order, and the pair lengths."""
-    A, hq = batch.q.shape[0], batch.q.shape[1]
-    hkv = batch.k.shape[1]
-    ratio = hq // hkv
-    cu = batch.cu_seqlens.tolist()
-    device = batch.q.device
-    q_rows, k_rows, lens = [], [], []
-    for c0, c1 in zip(cu[:-1], cu[1:]):
-        t = torch.arange(c0, c1, device=device)
-        for j in range(hq):
-            q_rows.append(t * hq + j)
-            k_rows.append(t * hkv + j // ratio)
-            lens.append(c1 - c0)
-    if not q_rows:
-        empty = torch.zeros(0, dtype=torch.int64, device=device)
-        return empty, empty, []
-    del A
-    return torch.cat(q_rows), torch.cat(k_rows), lens
-
-
-def flatten_pairs(call: UlyssesCall):
-    """All batches as one varlen call over (sequence, query head) pairs of one head each (kv
-    heads copied per query head): ``(q, k, v, cu_seqlens, max_len)`` for a custom kernel. A rank
-    with one batch gets that batch as it is."""
-    if len(call.batches) == 1:
-        b = call.batches[0]
-        return b.q, b.k, b.v, b.cu_seqlens, b.max_len
-    if not call.batches:  # a rank with no sequences this step: empty, but in the graph
-        h, h_kv, d, dv = call.heads
-        z = call.anchor
-        cu = torch.zeros(1, dtype=torch.int32, device=z.device)
-        return z.view(0, 1, d), z.view(0, 1, d), z.view(0, 1, dv), cu, 0
-    qs, ks, vs, lens = [], [], [], []
-    for b in call.batches:
-        qi, ki, li = _pair_index(b)
-        qs.append(b.q.reshape(-1, b.q.shape[2]).index_select(0, qi))
-        ks.append(b.k.reshape(-1, b.k.shape[2]).index_select(0, ki))
-        vs.append(b.v.reshape(-1, b.v.shape[2]).index_select(0, ki))
-        lens += li
-    device = call.batches[0].q.device
-    cu = torch.tensor([0, *torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    return (torch.cat(qs)[:, None], torch.cat(ks)[:, None], torch.cat(vs)[:, None], cu, max(lens, default=0))
-
-
-def unflatten_pairs(o: torch.Tensor, call: UlyssesCall) -> list[torch.Tensor]:
-    """Inverse of :func:`flatten_pairs` for the attention output (N, 1, Dv) -> per batch."""
-    if len(call.batches) == 1:
-        return [o]
-    outs, start = [], 0  # (no batches: nothing to return)
-    dv = o.shape[2]
-    for b in call.batches:
-        qi, _, _ = _pair_index(b)
-        n = qi.numel()
-        part = o[start : start + n, 0]
-        full = part.new_empty((b.q.shape[0] * b.q.shape[1], dv))
-        full = full.index_copy(0, qi, part)
-        outs.append(full.view(b.q.shape[0], b.q.shape[1], dv))
-        start += n
-    return outs

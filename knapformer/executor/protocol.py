@@ -1,41 +1,93 @@
-"""The handle a model calls for token movement and attention.
+"""The executor contract: the one interface every model and integration is written against.
 
-``SequenceBalancer`` (``knapformer.distributed``) implements it over torch.distributed; the
-:class:`LocalExecutor` here implements it for one process with no balancing, so the same
-model code runs both ways and the models never import torch.distributed.
+A model calls its executor to move tokens and to attend; it never imports
+``torch.distributed``. Two implementations keep the contract:
+
+- :class:`~knapformer.executor.local.LocalExecutor`: one process, nothing moves (the
+  reference every balanced run is compared with);
+- :class:`~knapformer.distributed.SequenceBalancer`: a balancing group of ranks, planned once
+  per step.
+
+Legend: T tokens this rank contributes, R routed tokens it holds, h query heads, h_kv kv
+heads, D head dim, Dv value dim, n sequences, M context rows.
+
+===================  ===============================  =====================================
+method               input                            output
+===================  ===============================  =====================================
+route                (T, *F) per tensor               (R, *F) per tensor
+reverse_route        (R, *F) per tensor               (T, *F) per tensor, caller's order
+attention            q (R, h, D), k/v (R, h_kv, ·)    (R, h, Dv)
+pre_attn             q, k, v as for ``attention``     (q2, k2, v2, cu_seqlens, max_len)
+post_attn            the kernel's output on pre_attn  (R, h, Dv)
+routed_positions     --                               (R,) sequence id, (R,) position
+gather_sequences     (n_local, *F) per tensor         (n_group, *F) per tensor
+route_context        (M_local, *F), lengths           :class:`RoutedContext`
+cross_attention      q (R, h, D), k/v (M, h_kv, ·)    (R, h, Dv)
+report_error         a message                        raised at the next agreement point
+raise_everywhere     a message                        raises now (on every rank of a group)
+===================  ===============================  =====================================
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NoReturn, Protocol
+from typing import NoReturn, Protocol, runtime_checkable
 
 import torch
 
-from knapformer.attention import varlen_attention, varlen_cross_attention
+from knapformer.attention.varlen import varlen_cross_attention
 
 __all__ = [
-    "LocalExecutor",
     "RoutedContext",
     "TokenExecutor",
     "context_problem",
-    "local_positions",
-    "raise_everywhere",
+    "cross_attend",
+    "cross_problem",
     "routed_context",
 ]
 
 
+@runtime_checkable
 class TokenExecutor(Protocol):
-    def route(self, x: torch.Tensor, *features: torch.Tensor, seq_lens: Sequence[int] | None = None): ...
-    def reverse_route(self, y: torch.Tensor, *features: torch.Tensor): ...
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor: ...
-    def routed_positions(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
-    def gather_sequences(self, *per_seq: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
-    def route_context(self, context: torch.Tensor, lens: Sequence[int]) -> RoutedContext: ...
+    """What a model may ask of its executor (see the module docstring for shapes)."""
+
+    def route(self, x: torch.Tensor, *features: torch.Tensor, seq_lens: Sequence[int] | None = None, names=None):
+        """Local tokens to their planned ranks; one tensor -> one tensor, several -> a tuple.
+        ``seq_lens``: the layout of the tensors, checked against the plan; ``names``: what each
+        tensor is, for error messages."""
+
+    def reverse_route(self, y: torch.Tensor, *features: torch.Tensor, names=None):
+        """Inverse of :meth:`route`."""
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
+        """Attention of routed tokens within their own sequences."""
+
+    def pre_attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """``(q2, k2, v2, cu_seqlens, max_len)`` for one custom varlen kernel call."""
+
+    def post_attn(self, o: torch.Tensor) -> torch.Tensor:
+        """The custom kernel's output on :meth:`pre_attn`'s tensors -> (R, h, Dv)."""
+
+    def routed_positions(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per routed token: sequence id (ids of the whole group, rank-major) and position."""
+
+    def gather_sequences(self, *per_seq: torch.Tensor, names=None) -> tuple[torch.Tensor, ...]:
+        """Per-sequence rows of every rank, indexable by ``routed_positions()[0]``."""
+
+    def route_context(self, context: torch.Tensor, lens: Sequence[int]) -> RoutedContext:
+        """Each local sequence's context rows to the ranks holding its queries (once a step)."""
+
     def cross_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: RoutedContext
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor:
+        """Routed queries attend to their own sequence's routed context."""
+
+    def report_error(self, message: str) -> None:
+        """A problem only this rank can see, raised at the next agreement point."""
+
+    def raise_everywhere(self, message: str) -> NoReturn:
+        """Raise ``message`` now (on every rank of a balancing group)."""
 
 
 @dataclass(eq=False)
@@ -59,6 +111,7 @@ class RoutedContext:
     q_order: torch.Tensor | None
     """Routed rows in sequence order (None: the routed order is already grouped)."""
     q_inverse: torch.Tensor | None
+    """Inverse permutation of ``q_order``."""
 
 
 def routed_context(rows: torch.Tensor, seq_ids, lens: Sequence[int], routed_seq_id: torch.Tensor) -> RoutedContext:
@@ -122,68 +175,3 @@ def cross_attend(q, k, v, context: RoutedContext, backend: str) -> torch.Tensor:
         q = q.index_select(0, context.q_order)
     o = varlen_cross_attention(q, k, v, context.cu_q, context.cu_k, backend=backend)
     return o if context.q_inverse is None else o.index_select(0, context.q_inverse)
-
-
-def raise_everywhere(executor, error: str) -> NoReturn:
-    """A problem with this rank's inputs found before the step's first exchange: with a
-    balancer, raise it on every rank of the group (at the agreement of ``route``, which the
-    other ranks are entering) instead of only here, where the others would wait in the
-    collective; a plain ``ValueError`` for a local executor."""
-    report = getattr(executor, "report_error", None)
-    if report is not None:
-        report(error)
-        executor.route(torch.zeros(0, 1))  # its agreement raises on every rank
-    raise ValueError(error)
-
-
-def local_positions(seq_lens: Sequence[int], device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(seq id, position) of each token of sequences packed in order."""
-    lens = torch.as_tensor(list(seq_lens), dtype=torch.int64)
-    seq_id = torch.repeat_interleave(torch.arange(lens.numel()), lens)
-    starts = torch.cumsum(lens, 0) - lens
-    pos = torch.arange(int(lens.sum())) - starts[seq_id]
-    return seq_id.to(device), pos.to(device)
-
-
-class LocalExecutor:
-    """No balancing: tokens stay in place; attention runs over this process's sequences."""
-
-    def __init__(self, seq_lens: Sequence[int], attn_backend: str = "auto") -> None:
-        self.seq_lens = [int(v) for v in seq_lens]
-        self.attn_backend = attn_backend
-        self._cu = torch.tensor(
-            [0, *torch.tensor(self.seq_lens, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32
-        )
-
-    def route(self, x, *features, seq_lens=None):
-        if seq_lens is not None and [int(n) for n in seq_lens] != self.seq_lens:
-            raise ValueError(f"tensors laid out as sequences {list(seq_lens)}, this executor has {self.seq_lens}")
-        return x if not features else (x, *features)
-
-    def reverse_route(self, y, *features):
-        return y if not features else (y, *features)
-
-    def attention(self, q, k, v, causal: bool = False):
-        return varlen_attention(
-            q, k, v, self._cu.to(q.device), max(self.seq_lens, default=0), causal=causal, backend=self.attn_backend
-        )
-
-    def routed_positions(self, device=None):
-        return local_positions(self.seq_lens, device)
-
-    def gather_sequences(self, *per_seq):
-        return tuple(per_seq)
-
-    def route_context(self, context: torch.Tensor, lens: Sequence[int]) -> RoutedContext:
-        """Every sequence is here: its context stays (checked against the sequences)."""
-        error = context_problem(context, lens, len(self.seq_lens))
-        if error:
-            raise ValueError(f"route_context: {error}")
-        seq, _ = local_positions(self.seq_lens, context.device)
-        return routed_context(context, torch.arange(len(self.seq_lens)), lens, seq)
-
-    def cross_attention(self, q, k, v, context: RoutedContext):
-        error = cross_problem(q, k, v, context, sum(self.seq_lens))
-        if error:
-            raise ValueError(f"cross_attention: {error}")
-        return cross_attend(q, k, v, context, self.attn_backend)

@@ -1,0 +1,68 @@
+"""``flash``: flash-attn's varlen kernels (CUDA, fp16/bf16), imported on first use.
+
+``auto`` prefers it whenever it can run; nothing is imported when knapformer is.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from knapformer.attention.backend import Backend
+
+__all__ = ["BACKEND", "flash_available", "flash_cross", "flash_varlen"]
+
+
+@functools.cache
+def flash_available() -> bool:
+    """flash-attn importable and a CUDA device present (checked once, on first use)."""
+    try:
+        import flash_attn  # noqa: F401
+    except Exception:
+        return False
+    return torch.cuda.is_available()
+
+
+def _unavailable(q: torch.Tensor) -> str | None:
+    if q.device.type != "cuda":
+        return "flash-attn needs CUDA tensors"
+    if not flash_available():
+        return "flash-attn is not importable"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"flash-attn needs float16 or bfloat16, got {q.dtype}"
+    return None
+
+
+def flash_varlen(q, k, v, cu_seqlens, max_len, *, causal):
+    """(N, h, D) -> (N, h, D) via flash-attn's varlen kernel."""
+    from flash_attn import flash_attn_varlen_func
+
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    return flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=causal)
+
+
+def flash_cross(q, k, v, cu_q: list[int], cu_k: list[int]) -> torch.Tensor:
+    """Separate q/k bounds in one varlen call; an empty context goes through SDPA's form
+    (flash's answer for it is undefined)."""
+    from flash_attn import flash_attn_varlen_func
+
+    from knapformer.attention.sdpa import sdpa_cross
+
+    lq = [e - s for s, e in zip(cu_q[:-1], cu_q[1:])]
+    lk = [e - s for s, e in zip(cu_k[:-1], cu_k[1:])]
+    if any(a and not b for a, b in zip(lq, lk)):
+        return sdpa_cross(q, k, v, cu_q, cu_k)
+    dev = q.device
+    return flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        torch.tensor(cu_q, device=dev, dtype=torch.int32),
+        torch.tensor(cu_k, device=dev, dtype=torch.int32),
+        max(lq, default=0),
+        max(lk, default=0),
+    )
+
+
+BACKEND = Backend(name="flash", attend=flash_varlen, cross=flash_cross, unavailable=_unavailable, auto_priority=10)

@@ -1,0 +1,140 @@
+"""The balancer's closed loop: time each rank's step, refit the cost model, emit telemetry.
+
+With ``measure`` each rank times its balanced region (:class:`~knapformer.distributed.timing.StepTimer`:
+from the first ``route`` to the end of its backward); the seconds ride on the gather the next
+``plan`` does anyway, so every rank sees every rank's time. With ``recalibrate`` those times
+feed an online fit (:class:`~knapformer.plan.online.OnlineFit`, identical on every rank), and
+the next plans use the fitted model (and speeds): :attr:`ClosedLoop.planning` is the config
+the planner reads, the user's config is never rewritten. Every completed step becomes one
+:class:`~knapformer.telemetry.StepTelemetry` for the callbacks and ``last_step``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import torch
+
+from knapformer.config import BalancerConfig
+from knapformer.cost_terms import COST_TERMS, coefficients
+from knapformer.distributed.timing import StepTimer
+from knapformer.plan import Plan
+from knapformer.plan.online import Observation, OnlineFit
+from knapformer.telemetry import StepTelemetry, imbalance
+
+__all__ = ["ClosedLoop"]
+
+
+class ClosedLoop:
+    """Timing, online recalibration and telemetry of one balancer (module docstring)."""
+
+    def __init__(self, config: BalancerConfig) -> None:
+        self.planning = config
+        """The settings the next plan uses (the user's, with the fitted cost model and speeds)."""
+        self.timer = StepTimer() if config.measure else None
+        self.fit = (
+            OnlineFit(
+                prior=config.cost,
+                window=config.recalibrate_window,
+                warmup=config.recalibrate_warmup,
+                estimate_speed=config.estimate_speed,
+            )
+            if config.recalibrate
+            else None
+        )
+        self.callbacks: list = []
+        self.last_step: StepTelemetry | None = None
+        self._record: StepTelemetry | None = None  # this step's record, waiting for its measurement
+        self._features = None  # this step's plan features, for the fit
+        self._bytes_per_token = 0
+
+    @property
+    def waiting(self) -> bool:
+        """A step's record waits for its measurement."""
+        return self._record is not None
+
+    # -- per step ---------------------------------------------------------------------------
+    def seconds_bits(self) -> int:
+        """The last step's measured seconds (NaN without timing) as int64 bits, to ride on an
+        int64 gather."""
+        seconds = self.timer.seconds() if self.timer is not None else float("nan")
+        return torch.tensor([seconds], dtype=torch.float64).view(torch.int64).item()
+
+    def measured(self, bits: torch.Tensor) -> list[float] | None:
+        """Every rank's seconds from their gathered bits (None without timing)."""
+        return bits.clone().view(torch.float64).tolist() if self.timer is not None else None
+
+    def start_step(self, plan: Plan, step: int) -> None:
+        """Open the step's telemetry record (emitted at once without timing)."""
+        cfg = self.planning
+        model = cfg.cost
+        in_seconds = str(model.meta.get("units", "")).startswith("seconds")
+        per_call = float(model.meta.get("per_call_seconds", 0.0))
+        self._record = StepTelemetry(
+            step=step,
+            layout=cfg.layout.spec(),
+            solver=plan.solver,
+            plan_ms=1e3 * plan.plan_seconds,
+            predicted=plan.time_after.tolist(),
+            predicted_s=((plan.time_after + per_call) * model.num_layers).tolist() if in_seconds else None,
+            measured_s=None,
+            imbalance_before=plan.imbalance_before,
+            imbalance_after=plan.imbalance_after,
+            measured_imbalance=None,
+            gap_to_bound=plan.gap_to_bound,
+            tokens_moved=plan.tokens_moved,
+            bytes_moved=0,
+            coefficients={
+                **{t.field: float(c) for t, c in zip(COST_TERMS, coefficients(model))},
+                "units": model.meta.get("units", "cost units"),
+            },
+            rank_speed=list(cfg.rank_speed) if cfg.rank_speed is not None else None,
+        )
+        self._features = plan.features() if self.fit is not None else None
+        if self.timer is None:  # nothing to wait for
+            self.finish_step(None)
+
+    def finish_step(self, measured: list[float] | None) -> None:
+        """Complete the step's record with the measured seconds; refit; call the callbacks."""
+        if self._record is None:
+            return
+        record = dataclasses.replace(
+            self._record,
+            measured_s=measured,
+            measured_imbalance=imbalance(measured) if measured is not None else None,
+            bytes_moved=self._record.tokens_moved * self._bytes_per_token,
+        )
+        self._record = None
+        if self.fit is not None and measured is not None and self._features is not None:
+            self.fit.add(Observation(self._features, np.asarray(measured, dtype=np.float64)))
+            self._recalibrate()
+        self.last_step = record
+        for cb in self.callbacks:
+            cb(record)
+
+    def _recalibrate(self) -> None:
+        """Plan the next steps with the model (and speeds) fitted to the measured steps."""
+        cfg = self.planning
+        model, speeds = self.fit.fit(cfg.rank_speed if cfg.estimate_speed else None)
+        changes = {"cost": model}
+        if speeds is not None:
+            changes["rank_speed"] = tuple(float(s) for s in speeds)
+        if cfg.link is not None and model is not self.fit.prior:
+            changes["link"] = dataclasses.replace(cfg.link, units_per_second=1.0)  # the fit is in seconds
+        self.planning = dataclasses.replace(cfg, **changes)
+
+    # -- per exchange -------------------------------------------------------------------------
+    def on_route(self, tensors: tuple) -> tuple:
+        """Start the timer at the step's first route (its end is stamped by route's backward)."""
+        self._bytes_per_token = sum(math.prod(t.shape[1:]) * t.element_size() for t in tensors)
+        if self.timer is None:
+            return tensors
+        self.timer.start(tensors[0].device)
+        out = self.timer.mark(tensors)
+        return out if isinstance(out, tuple) else (out,)
+
+    def on_reverse(self, y: torch.Tensor) -> None:
+        if self.timer is not None and not (torch.is_grad_enabled() and y.requires_grad):
+            self.timer.stop()  # no backward to wait for

@@ -1,0 +1,58 @@
+"""Context and cross-attention on a balancer: each sequence's context where its queries are.
+
+``route_context`` sends each local sequence's context rows (e.g. its embedded text) to every
+rank of the group that holds queries of that sequence, once per step (the exchange itself is
+planned by :func:`~knapformer.distributed.context.build_context_route`); every layer's
+``cross_attention`` then runs locally — each rank computes all heads for the queries it holds,
+no exchange. A bad shape on one rank in ``cross_attention`` is deferred to the next agreement
+(zeros meanwhile), since no collective follows it that could carry the error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from knapformer.distributed import ops
+from knapformer.distributed.agree import group_device, signature
+from knapformer.distributed.context import build_context_route
+from knapformer.executor.protocol import RoutedContext, context_problem, cross_attend, cross_problem, routed_context
+
+if TYPE_CHECKING:
+    from knapformer.distributed.balancer import SequenceBalancer
+
+__all__ = ["cross_attention", "route_context"]
+
+
+def route_context(bal: SequenceBalancer, context: torch.Tensor, lens: Sequence[int]) -> RoutedContext:
+    """See :meth:`SequenceBalancer.route_context`."""
+    plan, spec = bal._require_spec()
+    n_local = len(plan.seq_lens[bal.group_rank])
+    error = context_problem(context, lens, n_local)
+    bal._checks.agree("route_context", error, signature((context,), ("context",)) if not error else ())
+    device = group_device(bal.group)
+    mine = torch.tensor([int(n) for n in lens], dtype=torch.int64, device=device)
+    counts = plan.index.counts.tolist()
+    all_lens = ops.gather_sequences([mine], counts, bal.group_rank, bal.group)[0].cpu().numpy()
+    route = build_context_route(plan, bal.group_rank, all_lens)
+    rows = context.index_select(0, torch.from_numpy(route.send_rows).to(context.device))
+    if route.moves:
+        rows = ops.all_to_all(rows, route.send_splits, route.recv_splits, bal.group)
+    seq_id = spec.indices_on(context.device)["routed_seq_id"]
+    return routed_context(rows, torch.from_numpy(route.seq_ids), route.lens.tolist(), seq_id)
+
+
+def cross_attention(
+    bal: SequenceBalancer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: RoutedContext
+) -> torch.Tensor:
+    """See :meth:`SequenceBalancer.cross_attention`."""
+    _, spec = bal._require_spec()
+    error = cross_problem(q, k, v, context, spec.num_routed)
+    if error and all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (q, v)):
+        bal._checks.defer(f"cross_attention on rank {bal.group_rank}: {error}")
+        return q.new_zeros((q.shape[0], q.shape[1], v.shape[2])) + 0 * q.sum()
+    if error:
+        raise ValueError(f"cross_attention: {error}")
+    return cross_attend(q, k, v, context, bal.config.attn_backend)

@@ -1,0 +1,125 @@
+"""The one seam the tools drive a model through: :class:`ModelFamily`.
+
+A family adapter, bound to one model config, says how to build the model, how to make its
+inputs from a synthetic :class:`~knapformer.data.batches.Batch`, how to run it through an
+executor planned for the step, how to time one of its blocks (the calibrator) and what it
+costs (the planner). The simulator, the calibrator and the tests only ever call these methods;
+they find a family by name through :mod:`knapformer.integrations.registry`. Every adapter
+follows the integration seam: the caller plans the step once with ``inputs.seq_lens`` and
+passes the planned executor to :meth:`ModelFamily.forward`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn as nn
+
+from knapformer.data.batches import Batch
+from knapformer.executor import TokenExecutor
+from knapformer.workload import WorkloadModel
+
+__all__ = ["BlockRunner", "ModelDims", "ModelFamily", "StepInputs", "block_runner"]
+
+BlockRunner = tuple[str, int, Callable[[Sequence[int], bool], Callable[[], None]]]
+"""(block type, layers of that type, make(seq_lens, backward) -> a callable running one block)."""
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What one rank feeds its model in one step (built once per step, used by both runs)."""
+
+    seq_lens: list[int]
+    """Lengths to plan the step with (tokens per sample, as the model lays them out)."""
+    args: Any
+    """The family's own inputs (a batch, or diffusers samples)."""
+    target: torch.Tensor
+    """Rows the output is compared with, in the output's order."""
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The sizes the tools need: synthetic batches (in/vec/out), cost model and heads."""
+
+    dim: int
+    num_heads: int
+    num_kv_heads: int | None
+    num_layers: int
+    in_dim: int
+    vec_dim: int
+    out_dim: int
+
+
+class ModelFamily(ABC):
+    """Adapter interface (see the module docstring). ``presets`` maps a size name to a config
+    factory: the preset ``<family name>-<size>`` is ``presets[size]()``."""
+
+    name: ClassVar[str]
+    presets: ClassVar[dict[str, Callable[[], Any]]] = {}
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+
+    def dims(self) -> ModelDims:
+        """The config's sizes (configs name them ``dim``, ``num_heads``, ... as the presets do)."""
+        c = self.config
+        return ModelDims(
+            dim=c.dim,
+            num_heads=c.num_heads,
+            num_kv_heads=getattr(c, "num_kv_heads", None),
+            num_layers=c.num_layers,
+            in_dim=c.in_dim,
+            vec_dim=getattr(c, "vec_dim", 1),
+            out_dim=c.out_dim,
+        )
+
+    def workload(self, gamma: float = 1.0) -> WorkloadModel:
+        """The planner's cost model in the paper's form (families with other terms override)."""
+        d = self.dims()
+        return WorkloadModel(
+            d_model=d.dim, gamma=gamma, num_layers=d.num_layers, num_heads=d.num_heads, num_kv_heads=d.num_kv_heads
+        )
+
+    @abstractmethod
+    def build(self) -> nn.Module:
+        """A freshly initialised model (on CPU; the caller moves it)."""
+
+    def inputs(self, batch: Batch) -> StepInputs:
+        """This step's inputs from a synthetic batch (the reference models take it as is)."""
+        return StepInputs(seq_lens=list(batch.seq_lens), args=batch, target=batch.target)
+
+    @abstractmethod
+    def forward(self, model: nn.Module, inputs: StepInputs, executor: TokenExecutor) -> torch.Tensor:
+        """Output rows aligned with ``inputs.target``, through an executor planned for the step."""
+
+    def enable_checkpointing(self, model: nn.Module) -> nn.Module:
+        """Activation checkpointing per block, the way this family's models do it."""
+        if hasattr(model, "enable_gradient_checkpointing"):  # diffusers models
+            model.enable_gradient_checkpointing()
+            return model
+        raise ValueError(f"activation checkpointing is not supported for {self.name} models")
+
+    def blocks(self, device: torch.device, dtype: torch.dtype, causal: bool) -> list[BlockRunner]:
+        """One runner per block type for the calibrator."""
+        raise ValueError(f"timing blocks of {self.name} models is not supported")
+
+
+def block_runner(forward: Callable[[], torch.Tensor], backward: bool) -> Callable[[], None]:
+    """A callable that runs ``forward`` once (and its backward with a ones gradient)."""
+    if not backward:
+
+        def run():
+            with torch.no_grad():
+                forward()
+
+        return run
+
+    def run():
+        out = forward()
+        out.backward(torch.ones_like(out))
+
+    return run
