@@ -42,6 +42,22 @@ def test_plan_json_written_before_the_time_rename_still_loads(tmp_path):
     assert old.time_after.tolist() == d["work_after"]
 
 
+def test_plan_json_written_before_the_groups_rename_still_loads(tmp_path):
+    """Plan files once named the groups ``bags`` and ``seq_bag``; they still load, and the old
+    attribute names still read the groups."""
+    from knapformer.plan import Plan
+
+    inp = write(tmp_path, {"seq_lens": [[100, 20], [5], [900], []]})
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--input", inp, "--bags", "g1n2+g2n1", "--output", str(out)]) == 0
+    d = json.loads(out.read_text())
+    d["bags"], d["seq_bag"] = d.pop("groups"), d.pop("seq_group")
+    old = Plan.from_dict(d)
+    old.validate()
+    assert old.groups == ((0,), (1,), (2, 3)) and old.bags == old.groups
+    assert old.seq_group.tolist() == d["seq_bag"] and old.seq_bag is old.seq_group
+
+
 def test_plan_prints_summary(tmp_path, capsys):
     inp = write(tmp_path, {"seq_lens": [[100, 20], [5]]})
     assert main(["plan", "--input", inp, "--bags", "g1n2", "--solver", "paper", "--causal"]) == 0
