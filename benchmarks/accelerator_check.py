@@ -241,9 +241,6 @@ def part_executor(smoke: bool) -> dict:
         )
         return out
     finally:
-        import gc
-
-        gc.collect()
         dist.destroy_process_group()
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from knapformer.distributed import lifetime
 from knapformer.errors import BalancerInputError, DivergentCallError, PlanMismatchError
 
 __all__ = ["Call", "agree", "describe", "digest62", "gather_text", "group_device", "signature"]
@@ -94,7 +95,7 @@ def agree(group, call: Call, error: str = "", *, plan: int = 0, control=None, wh
     row = _row(call, error, plan)
     device = group_device(control)
     t = torch.tensor(row, dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control)
+    lifetime.collective(lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control), (t,))
     m = t.cpu().tolist()
     if m[0] == 0 and all(m[i] == -m[i + 1] for i in range(1, len(m), 2)):
         return
@@ -108,13 +109,13 @@ def gather_text(control, text: str) -> list[str]:
     data = torch.tensor(list(text.encode()), dtype=torch.uint8)
     n = torch.tensor([data.numel()], dtype=torch.int64, device=device)
     lens = [torch.empty_like(n) for _ in range(size)]
-    dist.all_gather(lens, n, group=control)
+    lifetime.collective(lambda: dist.all_gather(lens, n, group=control), (n, *lens))
     width = max(int(x) for x in lens)
     buf = torch.zeros(max(width, 1), dtype=torch.uint8)
     buf[: data.numel()] = data
     buf = buf.to(device)
     parts = [torch.empty_like(buf) for _ in range(size)]
-    dist.all_gather(parts, buf, group=control)
+    lifetime.collective(lambda: dist.all_gather(parts, buf, group=control), (buf, *parts))
     return [bytes(p[: int(k)].cpu().tolist()).decode() for p, k in zip(parts, lens)]
 
 

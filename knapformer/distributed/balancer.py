@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from knapformer.attention.varlen import varlen_attention
 from knapformer.config import BalancerConfig
-from knapformer.distributed import cross, ops, ulysses
+from knapformer.distributed import cross, lifetime, ops, ulysses
 from knapformer.distributed.agree import describe, digest62, group_device
 from knapformer.distributed.checks import StepChecks
 from knapformer.distributed.closed_loop import ClosedLoop
@@ -173,7 +173,7 @@ class SequenceBalancer:
         # the previous step's measured seconds ride on the gather of the lengths' counts
         head = torch.tensor([len(lens), self._loop.seconds_bits()], dtype=torch.int64, device=device)
         heads = [torch.empty_like(head) for _ in range(S)]
-        dist.all_gather(heads, head, group=self.group)
+        lifetime.collective(lambda: dist.all_gather(heads, head, group=self.group), (head, *heads))
         heads_t = torch.stack(heads).cpu()
         self._loop.finish_step(self._loop.measured(heads_t[:, 1]))  # the previous step's telemetry
         counts = heads_t[:, 0].tolist()
@@ -181,7 +181,7 @@ class SequenceBalancer:
         if lens:
             padded[: len(lens)] = torch.tensor(lens, dtype=torch.int64)
         gathered = [torch.empty_like(padded) for _ in range(S)]
-        dist.all_gather(gathered, padded, group=self.group)
+        lifetime.collective(lambda: dist.all_gather(gathered, padded, group=self.group), (padded, *gathered))
         all_lens = ValidLens(tuple(g[:c].tolist()) for g, c in zip(torch.stack(gathered).cpu(), counts))
         cfg = self._loop.planning
         problem = PlanProblem(  # lengths were validated on their own ranks and agreed above
@@ -262,7 +262,7 @@ class SequenceBalancer:
         self._checks.agree("flush")
         t = torch.tensor([self._loop.seconds_bits()], dtype=torch.int64, device=group_device(self.group))
         rows = [torch.empty_like(t) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(rows, t, group=self.group)
+        lifetime.collective(lambda: dist.all_gather(rows, t, group=self.group), (t, *rows))
         self._loop.finish_step(self._loop.measured(torch.cat(rows).cpu()))
         return self.last_step
 

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from knapformer.distributed import lifetime
 from knapformer.distributed.spec import RouteSpec
 
 __all__ = ["all_to_all", "gather_sequences", "permute_rows", "reverse_route", "route"]
@@ -51,7 +52,9 @@ class _AllToAll(torch.autograd.Function):
 def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty((sum(recv), *x.shape[1:]))
-    dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=group)
+    lifetime.collective(
+        lambda: dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=group), (out, x)
+    )
     return out
 
 

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from knapformer.config import BalancerConfig
+from knapformer.distributed import lifetime
 from knapformer.distributed.agree import digest62, gather_text, group_device
 from knapformer.errors import BalancerConfigError
 
@@ -80,7 +81,7 @@ def agree_settings(config: BalancerConfig | None, local_error: str, asked) -> No
     mine = [1 if local_error else 0, *digests, digest62(repr(asked))]
     t = torch.tensor(mine, dtype=torch.int64, device=group_device(world))
     rows = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, t)
+    lifetime.collective(lambda: dist.all_gather(rows, t), (t, *rows))
     table = torch.stack(rows).cpu().tolist()
     me = dist.get_rank()
     bad = [r for r, row in enumerate(table) if row[0]]

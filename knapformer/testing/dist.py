@@ -10,7 +10,6 @@ all ranks are ended and ``TimeoutError`` is raised.
 from __future__ import annotations
 
 import datetime
-import gc
 import os
 import queue
 import socket
@@ -98,7 +97,6 @@ def _worker(fn, rank, world_size, port, backend, args, results, pg_timeout):
     except BaseException:  # report everything, including assertion failures
         results.put((rank, False, traceback.format_exc()))
     finally:
-        gc.collect()  # autograd collectives must be freed before the group goes away
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
