@@ -14,6 +14,7 @@ from diffusers import Flux2Transformer2DModel
 
 from knapformer import BalancerConfig, SequenceBalancer, WorkloadModel
 from knapformer.integrations.flux2 import Flux2Sample, flux2_seq_lens, packed_flux2_forward
+from knapformer.training import global_mean_loss, sum_gradients
 
 dist.init_process_group("gloo")
 torch.manual_seed(0)  # the same initial weights on every rank
@@ -61,12 +62,10 @@ for step in range(2):
     bal.plan(flux2_seq_lens(samples))  # once per step: text + image + reference tokens per sample
     out = packed_flux2_forward(model, samples, bal)  # per-sample (T_img, C), original order
     targets = torch.randn(out.flat.shape, generator=g)
-    tokens = torch.tensor(float(out.flat.shape[0]))
-    dist.all_reduce(tokens)  # image tokens of all ranks
-    loss = ((out.flat - targets) ** 2).sum() / (tokens * out.flat.shape[1])
+    err = ((out.flat - targets) ** 2).sum()
+    loss = global_mean_loss(err, out.flat.numel(), gradients="sum")  # the mean over every rank's image values
     loss.backward()
-    for p in model.parameters():  # plain data parallel (or FSDP2 per block)
-        dist.all_reduce(p.grad)
+    sum_gradients(model)  # plain data parallel (or FSDP2 per block, with gradients="mean")
     opt.step()
     opt.zero_grad(set_to_none=True)
     total = loss.detach().clone()

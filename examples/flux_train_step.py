@@ -13,7 +13,8 @@ import torch.distributed as dist
 from diffusers import FluxTransformer2DModel
 
 from knapformer import BalancerConfig, SequenceBalancer
-from knapformer.integrations.diffusers import FluxSample, flux_seq_lens, flux_workload, packed_flux_forward
+from knapformer.integrations.flux import FluxSample, flux_seq_lens, flux_workload, packed_flux_forward
+from knapformer.training import global_mean_loss, sum_gradients
 
 dist.init_process_group("gloo")
 torch.manual_seed(0)  # the same initial weights on every rank
@@ -49,12 +50,10 @@ for step in range(2):
     bal.plan(flux_seq_lens(samples))  # once per step: text + image tokens per sample
     out = packed_flux_forward(model, samples, bal)  # per-sample (T_img, C), original order
     targets = torch.randn(out.flat.shape, generator=g)
-    tokens = torch.tensor(float(out.flat.shape[0]))
-    dist.all_reduce(tokens)  # image tokens of all ranks
-    loss = ((out.flat - targets) ** 2).sum() / (tokens * out.flat.shape[1])
+    err = ((out.flat - targets) ** 2).sum()
+    loss = global_mean_loss(err, out.flat.numel(), gradients="sum")  # the mean over every rank's image values
     loss.backward()  # every rank, also one without samples (out.flat is connected)
-    for p in model.parameters():  # plain data parallel (or FSDP2 per block)
-        dist.all_reduce(p.grad)
+    sum_gradients(model)  # plain data parallel (or FSDP2 per block, with gradients="mean")
     opt.step()
     opt.zero_grad(set_to_none=True)
     total = loss.detach().clone()

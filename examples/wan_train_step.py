@@ -14,6 +14,7 @@ from diffusers import WanTransformer3DModel
 
 from knapformer import BalancerConfig, SequenceBalancer
 from knapformer.integrations.wan import WanSample, packed_wan_forward, wan_seq_lens, wan_workload
+from knapformer.training import global_mean_loss, sum_gradients
 
 dist.init_process_group("gloo")
 torch.manual_seed(0)  # the same initial weights on every rank
@@ -49,12 +50,9 @@ for step in range(2):
     bal.plan(wan_seq_lens(model, samples))  # once per step: video tokens per sample
     outs = packed_wan_forward(model, samples, bal)  # per-sample (C, F, H, W), original order
     err = sum((((o - torch.randn(o.shape, generator=g)) ** 2).sum() for o in outs), 0 * outs.flat.sum())
-    values = torch.tensor(float(sum(o.numel() for o in outs)))
-    dist.all_reduce(values)
-    loss = err / values
+    loss = global_mean_loss(err, sum(o.numel() for o in outs), gradients="sum")  # the mean over all ranks' values
     loss.backward()
-    for p in model.parameters():
-        dist.all_reduce(p.grad)
+    sum_gradients(model)  # plain data parallel (or FSDP2 per block, with gradients="mean")
     opt.step()
     opt.zero_grad(set_to_none=True)
     total = loss.detach().clone()

@@ -31,7 +31,7 @@ from knapformer.attention.varlen import varlen_attention
 from knapformer.config import BalancerConfig
 from knapformer.distributed import cross, lifetime, ops, ulysses
 from knapformer.distributed.agree import describe, digest62, group_device
-from knapformer.distributed.checks import StepChecks
+from knapformer.distributed.checks import StepChecks, as_lengths, attention_problem
 from knapformer.distributed.closed_loop import ClosedLoop
 from knapformer.distributed.settings import agree_settings, asked_group, resolve_groups
 from knapformer.distributed.spec import RouteSpec, build_route_spec
@@ -43,19 +43,10 @@ from knapformer.plan.problem import ValidLens, validate_lengths
 from knapformer.telemetry import StepTelemetry
 from knapformer.workload import WorkloadModel
 
-__all__ = ["BalancerConfigError", "BalancerInputError", "PlanMismatchError", "SequenceBalancer"]
+__all__ = ["STATE_VERSION", "BalancerConfigError", "BalancerInputError", "PlanMismatchError", "SequenceBalancer"]
 
-
-def _as_lengths(local_seq_lens) -> Sequence[int]:
-    """Lengths as a list (a 1-D integer tensor is accepted as numpy arrays are)."""
-    if isinstance(local_seq_lens, torch.Tensor):
-        if local_seq_lens.dim() != 1 or local_seq_lens.is_floating_point() or local_seq_lens.is_complex():
-            raise ValueError(
-                f"local_seq_lens must be a 1-D integer tensor or a list, got a {local_seq_lens.dtype} tensor "
-                f"of shape {tuple(local_seq_lens.shape)}"
-            )
-        return local_seq_lens.tolist()
-    return local_seq_lens
+STATE_VERSION = 1
+"""Version of :meth:`SequenceBalancer.state_dict`'s format."""
 
 
 class SequenceBalancer:
@@ -162,7 +153,7 @@ class SequenceBalancer:
         S = self.layout.group_size
         error, lens = "", []
         try:
-            lens = list(validate_lengths(_as_lengths(local_seq_lens), "local_seq_lens"))
+            lens = list(validate_lengths(as_lengths(local_seq_lens), "local_seq_lens"))
         except ValueError as exc:
             error = str(exc)
         try:
@@ -266,6 +257,32 @@ class SequenceBalancer:
         self._loop.finish_step(self._loop.measured(torch.cat(rows).cpu()))
         return self.last_step
 
+    # -- resumable state -------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """What a resumed job needs to plan exactly as this one would: the step counter and the
+        closed loop's fitted cost model, rank speeds and fit history. Collective: it completes
+        the last step's telemetry first (:meth:`flush`), so the state is the same on every rank
+        — save it from any one of them. Plain data (JSON-serialisable)."""
+        self.flush()
+        return {"version": STATE_VERSION, "step": self.num_plans, "closed_loop": self._loop.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from :meth:`state_dict` of another balancer (e.g. before a restart).
+        Collective: every rank must load the same state (agreed; a rank that loaded another one,
+        or a malformed state, raises on every rank)."""
+        import json
+
+        error = ""
+        try:
+            if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+                raise ValueError(f"not a SequenceBalancer state of version {STATE_VERSION}")
+            digest = json.dumps(state, sort_keys=True)
+        except (TypeError, ValueError) as exc:
+            error, digest = f"load_state_dict: {exc}", "?"
+        self._checks.agree("load_state_dict", error, (("state", str(digest62(digest))),))
+        self._loop.load_state_dict(state["closed_loop"])
+        self._checks.step = int(state["step"])
+
     # -- errors ----------------------------------------------------------------------------------
     def report_error(self, message: str) -> None:
         """Report a problem only this rank can see (e.g. a malformed sample): it is raised, as
@@ -309,25 +326,10 @@ class SequenceBalancer:
         out = ops.reverse_route(tensors, spec, self.group)
         return out[0] if not features else tuple(out)
 
-    def _attn_problem(self, q, k, v, spec: RouteSpec) -> str:
-        """Why q, k, v cannot run this plan's attention on this rank ("" if they can)."""
-        if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
-            return "q, k, v must be tensors"
-        shapes = f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-            return f"q, k, v must be (tokens, heads, head_dim); got {shapes}"
-        if not (q.shape[0] == k.shape[0] == v.shape[0]) or k.shape[1] != v.shape[1] or k.shape[2] != q.shape[2]:
-            return f"q (R, h, D), k (R, h_kv, D) and v (R, h_kv, Dv) must share R, h_kv and D; got {shapes}"
-        if q.dtype != k.dtype or q.dtype != v.dtype:
-            return f"q, k, v must share a dtype (or run under torch.autocast); got {q.dtype}, {k.dtype}, {v.dtype}"
-        if q.shape[0] != spec.num_routed:
-            return f"q has {q.shape[0]} tokens on rank {self.group_rank}; routed tokens: {spec.num_routed}"
-        return ""
-
     def _pre(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> ulysses.UlyssesCall:
         _, spec = self._require_spec()
         q, k, v = _autocast(q, k, v)
-        error = self._attn_problem(q, k, v, spec)
+        error = attention_problem(q, k, v, spec.num_routed, self.group_rank)
         values = () if error else tuple((n, describe(t)) for n, t in zip("qkv", (q, k, v)))
         self._checks.agree("pre_attn", error, values)
         # the shapes agree: a plan whose groups cannot split them fails the same way on every rank

@@ -22,7 +22,7 @@ import torch
 
 from knapformer.distributed.agree import Call, agree, signature
 
-__all__ = ["StepChecks", "rows_problem"]
+__all__ = ["StepChecks", "as_lengths", "attention_problem", "rows_problem"]
 
 
 def rows_problem(tensors: Sequence, rows: int, rank: int) -> str:
@@ -36,6 +36,34 @@ def rows_problem(tensors: Sequence, rows: int, rank: int) -> str:
             return f"argument {i} has {t.shape[0]} tokens on rank {rank}, expected {rows}"
         if t.device != tensors[0].device:
             return f"argument {i} is on {t.device}, argument 0 on {tensors[0].device}"
+    return ""
+
+
+def as_lengths(local_seq_lens) -> Sequence[int]:
+    """Lengths as a list (a 1-D integer tensor is accepted, as numpy arrays are)."""
+    if isinstance(local_seq_lens, torch.Tensor):
+        if local_seq_lens.dim() != 1 or local_seq_lens.is_floating_point() or local_seq_lens.is_complex():
+            raise ValueError(
+                f"local_seq_lens must be a 1-D integer tensor or a list, got a {local_seq_lens.dtype} tensor "
+                f"of shape {tuple(local_seq_lens.shape)}"
+            )
+        return local_seq_lens.tolist()
+    return local_seq_lens
+
+
+def attention_problem(q, k, v, routed: int, rank: int) -> str:
+    """Why q, k, v cannot be this rank's routed attention inputs ("" if they can)."""
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return "q, k, v must be tensors"
+    shapes = f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        return f"q, k, v must be (tokens, heads, head_dim); got {shapes}"
+    if not (q.shape[0] == k.shape[0] == v.shape[0]) or k.shape[1] != v.shape[1] or k.shape[2] != q.shape[2]:
+        return f"q (R, h, D), k (R, h_kv, D) and v (R, h_kv, Dv) must share R, h_kv and D; got {shapes}"
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        return f"q, k, v must share a dtype (or run under torch.autocast); got {q.dtype}, {k.dtype}, {v.dtype}"
+    if q.shape[0] != routed:
+        return f"q has {q.shape[0]} tokens on rank {rank}; routed tokens: {routed}"
     return ""
 
 

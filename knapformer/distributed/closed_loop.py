@@ -21,8 +21,11 @@ from knapformer.config import BalancerConfig
 from knapformer.cost_terms import COST_TERMS, coefficients
 from knapformer.distributed.timing import StepTimer
 from knapformer.plan import Plan
+from knapformer.plan.cost import LinkModel
 from knapformer.plan.online import Observation, OnlineFit
+from knapformer.plan.plan import RankFeatures
 from knapformer.telemetry import StepTelemetry, imbalance
+from knapformer.workload import WorkloadModel
 
 __all__ = ["ClosedLoop"]
 
@@ -138,3 +141,44 @@ class ClosedLoop:
     def on_reverse(self, y: torch.Tensor) -> None:
         if self.timer is not None and not (torch.is_grad_enabled() and y.requires_grad):
             self.timer.stop()  # no backward to wait for
+
+    # -- resumable state ----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The fitted cost model and speeds, and the fit's history (plain data, JSON-ready)."""
+        cfg = self.planning
+        fit = None
+        if self.fit is not None:
+            fit = {
+                "seen": self.fit.seen,
+                "history": [
+                    {
+                        "features": {t.name: getattr(o.features, t.name).tolist() for t in COST_TERMS},
+                        "seconds": o.seconds.tolist(),
+                    }
+                    for o in self.fit.history
+                ],
+            }
+        return {
+            "cost": cfg.cost.to_dict(),
+            "rank_speed": list(cfg.rank_speed) if cfg.rank_speed is not None else None,
+            "link": dataclasses.asdict(cfg.link) if cfg.link is not None else None,
+            "fit": fit,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Plan the next steps as the saved loop would have (see :meth:`state_dict`)."""
+        cost = WorkloadModel.from_dict(state["cost"])
+        speed = tuple(state["rank_speed"]) if state.get("rank_speed") is not None else None
+        link = LinkModel(**state["link"]) if state.get("link") is not None else None
+        if speed is not None and len(speed) != self.planning.layout.group_size:
+            raise ValueError(
+                f"the saved state has {len(speed)} rank speeds, this balancer's group {self.planning.layout.group_size}"
+            )
+        self.planning = dataclasses.replace(self.planning, cost=cost, rank_speed=speed, link=link)
+        saved = state.get("fit")
+        if self.fit is not None and saved is not None:
+            self.fit.history.clear()
+            for o in saved["history"]:
+                f = RankFeatures(**{t.name: np.asarray(o["features"][t.name], dtype=np.float64) for t in COST_TERMS})
+                self.fit.history.append(Observation(f, np.asarray(o["seconds"], dtype=np.float64)))
+            self.fit.seen = int(saved["seen"])

@@ -1,0 +1,84 @@
+"""Training-loop helpers for balanced steps: the global-mean loss under any gradient reduction,
+and a gradient sum whose buffers are safe at exit.
+
+**The global-mean loss.** Balancing moves tokens between ranks, so "the mean over this rank's
+tokens" changes from step to step and weights a token on a rank with few tokens more than one
+on a rank with many. The loss that does not depend on where tokens ran is the mean over every
+token of every rank: each rank contributes ``local_sum / N`` with ``N`` the token count of the
+whole data-parallel world (one all-reduce of a scalar), and the gradients must then be *summed*
+over ranks. DDP and FSDP2 *average* gradients (they divide by the world size), so the loss each
+rank backpropagates must be ``world · local_sum / N`` — exactly what :func:`global_mean_loss`
+returns for ``gradients="mean"`` (the default; FSDP2's ``set_gradient_divide_factor(1.0)``, the
+other way, needs a ``PREMUL_SUM`` reduction gloo does not have). With a manual
+``all_reduce(SUM)`` of the gradients (:func:`sum_gradients`) pass ``gradients="sum"``.
+
+Gradient accumulation: give ``local_count`` as this rank's tokens of *all* the step's
+micro-batches (known before the first backward), and call :func:`global_mean_loss` on each
+micro-batch's ``local_sum``: the accumulated gradient is the global mean's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from knapformer.distributed import lifetime
+
+__all__ = ["global_mean_loss", "sum_gradients"]
+
+_REDUCTIONS = ("mean", "sum")
+
+
+def _count_device(group) -> torch.device:
+    return (
+        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    )
+
+
+def global_mean_loss(
+    local_sum: torch.Tensor,
+    local_count: int | float | torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    gradients: str = "mean",
+) -> torch.Tensor:
+    """The loss to backpropagate on this rank so that the gradients, reduced the way
+    ``gradients`` says (``"mean"``: DDP or FSDP2, which divide by the world size; ``"sum"``: a
+    manual all-reduce SUM), are the gradients of the mean over every token of ``group`` (default:
+    the world). ``local_sum``: this rank's summed per-token loss; ``local_count``: the tokens (or
+    elements) it summed over. Collective (one all-reduce of the counts); the value returned is
+    this rank's share, ``world · local_sum / N`` for ``"mean"``, so the global mean itself is the
+    all-reduced mean of the returned values."""
+    if gradients not in _REDUCTIONS:
+        raise ValueError(f"gradients must be one of {_REDUCTIONS} (how the gradients are reduced), got {gradients!r}")
+    if not isinstance(local_sum, torch.Tensor) or local_sum.numel() != 1:
+        raise ValueError("local_sum must be a one-element tensor (this rank's summed loss)")
+    group = dist.group.WORLD if group is None else group
+    count = torch.as_tensor(local_count, dtype=torch.float64).reshape(1).to(_count_device(group))
+    lifetime.collective(lambda: dist.all_reduce(count, group=group), (count,))
+    total = float(count.item())
+    if total <= 0:
+        raise ValueError(f"the group holds {total:g} tokens in all: nothing to average over")
+    scale = dist.get_world_size(group) if gradients == "mean" else 1
+    return local_sum * (scale / total)
+
+
+def sum_gradients(
+    params: Iterable[torch.nn.Parameter] | torch.nn.Module, group: dist.ProcessGroup | None = None
+) -> None:
+    """All-reduce (SUM) every parameter's gradient over ``group``: plain data parallel, one
+    flat buffer per dtype (what DDP's buckets do), safe at exit (see
+    :mod:`knapformer.distributed.lifetime`). Parameters without a gradient are skipped."""
+    if isinstance(params, torch.nn.Module):
+        params = params.parameters()
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        lifetime.collective(lambda flat=flat: dist.all_reduce(flat, group=group), (flat,))
+        for g, part in zip(grads, torch.split(flat, [g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
