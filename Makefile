@@ -20,7 +20,7 @@ setup: $(STAMP)
 # The main job on its built-in default: 2 CPU ranks train a small MMDiT on a heterogeneous
 # batch with and without balancing (per-sequence groups, `--bags auto`; report + charts in runs/demo).
 demo: setup
-	$(PY) -m knapformer simulate --bags auto --steps 10 --warmup 2 --report runs/demo/report.json --plot-dir runs/demo
+	$(PY) -m knapformer demo
 
 plan-demo: setup
 	$(PY) -m knapformer.tools.plan_demo --out runs/plan-demo

@@ -4,7 +4,8 @@
     torchrun --nproc-per-node 8 examples/balance_attention.py --cuda     # GPUs (NCCL)
 
 Each rank holds sequences of very different lengths; the balancer plans, routes tokens to
-their bags, runs Ulysses attention inside multi-rank bags and routes the result back. The
+their groups, runs Ulysses attention inside multi-rank groups and routes the result back. Any
+number of ranks (``--nproc-per-node 3`` too). The
 script checks the balanced output against plain per-rank attention and prints the plan.
 """
 
@@ -21,16 +22,16 @@ from knapformer import SequenceBalancer, WorkloadModel
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cuda", action="store_true", help="NCCL on CUDA tensors")
-    ap.add_argument("--bags", default=None, help="layout; default g1n{W/2}+g2n{W/4} (or g2n1 for 2 ranks)")
+    ap.add_argument("--bags", default="auto", help="layout (default auto: each sequence's group chosen per step)")
     args = ap.parse_args()
     dist.init_process_group("nccl" if args.cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.cuda else torch.device("cpu")
     if args.cuda:
         torch.cuda.set_device(device)
     heads, head_dim = 8, 64
-    bags = args.bags or ("g2n1" if world == 2 else f"g1n{world // 2}+g2n{world // 4}")
-    bal = SequenceBalancer(bags, WorkloadModel(d_model=heads * head_dim))
+    bags = args.bags
+    bal = SequenceBalancer(bags, WorkloadModel(d_model=heads * head_dim, num_heads=heads))
 
     # rank 0 drew one long sequence, the others many short ones
     torch.manual_seed(rank)

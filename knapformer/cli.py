@@ -5,7 +5,9 @@
     knapformer cluster --mix paper-joint --gpus 32 --model flux --bags g8n4
     knapformer calibrate --model mmdit-tiny --output profile.json
     knapformer show plan.json -o plan.png
-    knapformer demo [--out runs/plan-demo]     (the planner demo; `make demo` runs the simulator)
+    knapformer demo                            (what `make demo` runs: simulate on the built-in default)
+    knapformer plan-demo [--out runs/plan-demo] (the planner on the paper's three mixes)
+    knapformer --version
 
 Each subcommand is a tool module with ``add_args(parser)`` (torch-free) and ``run(args)``
 (imported only when that subcommand runs). Bad input exits with status 2 and one line on
@@ -62,6 +64,12 @@ COMMANDS = (
     Command("show", "draw a plan file as a PNG", "knapformer.tools.show", "knapformer.tools.show"),
     Command(
         "demo",
+        "what `make demo` runs: 2 CPU ranks train the demo model with and without balancing",
+        "knapformer.tools.demo",
+        "knapformer.tools.demo",
+    ),
+    Command(
+        "plan-demo",
         "plan the paper's mixes and write a table and a chart",
         "knapformer.tools.plan_demo",
         "knapformer.tools.plan_demo",
@@ -70,8 +78,11 @@ COMMANDS = (
 
 
 def build_parser() -> Parser:
+    from knapformer import __version__
+
     p = Parser(prog="knapformer", description="Balance variable-length DiT training.")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
+    p.add_argument("--version", action="version", version=f"knapformer {__version__}")
+    sub = p.add_subparsers(dest="command", parser_class=Parser, metavar="command")
     for c in COMMANDS:
         sp = sub.add_parser(c.name, help=c.help, description=c.help)
         importlib.import_module(c.args_module).add_args(sp)
@@ -80,7 +91,11 @@ def build_parser() -> Parser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # bare `knapformer`: the usage and the commands
+        parser.print_help()
+        return 0
     command: Command = args._command
     run = importlib.import_module(command.run_module).run
     return run_command(command.name, run, args)

@@ -73,21 +73,41 @@ class StepTelemetry:
         return d
 
 
-def jsonl_writer(path: str | Path) -> Callable[[StepTelemetry], None]:
-    """A callback appending each record as one JSON line to ``path`` (created, truncated)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("")
+def jsonl_writer(path: str | Path, *, rank: int | None = None) -> Callable[[StepTelemetry], None]:
+    """A callback appending each record as one JSON line to ``path`` (created, truncated).
+
+    Register it on every rank: with ``{rank}`` in ``path`` each rank writes its own file
+    (``metrics_{rank}.jsonl``: with replicas, each balancing group's records); otherwise only
+    rank 0 writes (every rank of a group holds the same record), so the file has one record per
+    step. ``rank``: this process's rank (default: ``torch.distributed``'s, 0 without it)."""
+    if rank is None:
+        rank = _global_rank()
+    text = str(path)
+    per_rank = "{rank}" in text
+    target = Path(text.format(rank=rank)) if per_rank else Path(text)
+    if not per_rank and rank != 0:
+        return lambda record: None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text("")
 
     def write(record: StepTelemetry) -> None:
-        with path.open("a") as f:
+        with target.open("a") as f:
             f.write(json.dumps(record.to_dict()) + "\n")
 
     return write
 
 
+def _global_rank() -> int:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return 0
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def tensorboard_callback(writer, prefix: str = "knapformer") -> Callable[[StepTelemetry], None]:
-    """A callback logging the scalars of each record to a TensorBoard ``SummaryWriter``."""
+    """A callback logging the scalars of each record to a TensorBoard ``SummaryWriter`` (register
+    it where the writer lives, typically rank 0 only: every rank of a group holds the same record)."""
 
     def log(record: StepTelemetry) -> None:
         scalars = {

@@ -96,7 +96,7 @@ def test_entry_point_runs_without_traceback(tmp_path):
 
 
 def test_plan_demo_writes_table_and_chart(tmp_path, capsys):
-    assert main(["demo", "--out", str(tmp_path)]) == 0
+    assert main(["plan-demo", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "table.json").read_text())
     assert len(rows) == 3 * 4 * 2
     assert all(r["imbalance_after"] <= r["imbalance_before"] + 1e-12 for r in rows)

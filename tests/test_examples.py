@@ -1,4 +1,4 @@
-"""The README's runnable examples run under torchrun (2 gloo ranks) and print their steps."""
+"""The README's runnable examples run under torchrun (gloo ranks) and print their steps."""
 
 import os
 import subprocess
@@ -7,19 +7,30 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("diffusers", reason="diffusers is not installed (pip install 'knapformer[diffusers]')")
+from knapformer.testing import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("script", ["flux_train_step.py", "flux2_train_step.py", "wan_train_step.py"])
-def test_example_runs_under_torchrun(script):
+def _torchrun(script: str, ranks: int) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    from knapformer.testing import free_port
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
-    proc = subprocess.run(
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", f"--master-port={free_port()}"]
+    return subprocess.run(
         [*cmd, str(ROOT / "examples" / script)], capture_output=True, text=True, timeout=180, env=env, cwd=ROOT
     )
+
+
+@pytest.mark.parametrize("script", ["flux_train_step.py", "flux2_train_step.py", "wan_train_step.py"])
+def test_example_runs_under_torchrun(script):
+    pytest.importorskip("diffusers", reason="diffusers is not installed (pip install 'knapformer[diffusers]')")
+    proc = _torchrun(script, 2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step 1: global mean loss" in proc.stdout, proc.stdout[-1000:]
+
+
+def test_balance_attention_runs_on_three_ranks():
+    """Any number of ranks: 3 (a group size few degrees divide) with the default layout auto."""
+    proc = _torchrun("balance_attention.py", 3)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    errors = [float(line.rsplit(" ", 1)[1]) for line in proc.stdout.splitlines() if "max error" in line]
+    assert len(errors) == 3 and max(errors) < 1e-5, proc.stdout

@@ -190,7 +190,7 @@ def _private_imports(path: Path, root: Path = ROOT) -> list[str]:
             if other == mine:
                 continue
             parts = node.module.split(".")
-            private = [n.name for n in node.names if n.name.startswith("_") and n.name != "__all__"]
+            private = [n.name for n in node.names if n.name.startswith("_") and not n.name.endswith("__")]
             if any(p.startswith("_") for p in parts[1:]) or private:
                 out.append(f"{_module_name(path, root)} imports {node.module}:{private or '(private module)'}")
     return out

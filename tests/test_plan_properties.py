@@ -205,3 +205,58 @@ def test_auto_is_valid_within_cap_and_never_worse_than_a_fixed_layout(problem, d
         except ValueError:
             continue
         assert auto.makespan <= fixed.makespan * (1 + 1e-9), (spec, auto.makespan, fixed.makespan)
+
+
+def _link(name):
+    from knapformer.cluster.hardware import hardware
+
+    if name is None:
+        return None
+    hw = hardware(name)
+    return hw.link(units_per_second=hw.flop_units_per_second)
+
+
+@pytest.mark.parametrize("hardware", [None, "cpu-gloo", "h100"])
+@settings(max_examples=25, deadline=None)  # planning up to 16 ranks twice per example: a few seconds each
+@given(
+    lens=st.integers(2, 16).flatmap(
+        lambda s: st.lists(st.lists(st.integers(1, 400), max_size=5), min_size=s, max_size=s)
+    )
+)
+@example(lens=[[16, 16, 192], [16, 16, 64], [64, 16, 60], [16, 60, 64]])
+def test_no_plan_is_predicted_slower_than_keeping_every_sequence_at_home(lens, hardware):
+    """Where "every sequence stays home" is a plan of the layout (auto, g1n{S}), no solver
+    returns a plan predicted slower than it, communication priced or not."""
+    model = WorkloadModel(d_model=3072, num_heads=24)
+    for layout in ("auto", f"g1n{len(lens)}"):
+        plan = plan_sequences(lens, layout, model, link=_link(hardware))
+        assert plan.makespan <= plan.time_before.max() * (1 + 1e-9), (layout, plan.makespan, plan.time_before.max())
+
+
+@given(
+    lens=st.integers(2, 8).flatmap(
+        lambda s: st.lists(st.lists(st.sampled_from([16, 16, 64, 300]), max_size=12), min_size=s, max_size=s)
+    )
+)
+@example(lens=[[16] * 12, [16] * 8, [300], [16] * 4])
+def test_no_whole_sequence_is_away_from_home_for_nothing(lens):
+    """A whole sequence placed off its rank could not come home (nor trade places with an equal
+    one) without raising the plan's makespan: moves that do not lower the makespan cost no
+    exchange."""
+    from knapformer.plan import PlanProblem
+    from knapformer.plan.solvers.refine import settle_home
+
+    plan = plan_sequences(lens, f"g1n{len(lens)}", MODEL)
+    problem = PlanProblem(seq_lens=lens, layout=f"g1n{len(lens)}", model=MODEL)
+    again = settle_home(problem, plan.seq_group)
+    moved = lambda assignment: int(problem.lengths[assignment != problem.bag_of_rank[problem.src_rank]].sum())  # noqa: E731
+    assert moved(again) == moved(plan.seq_group)
+
+
+def test_auto_moves_only_what_the_balance_needs():
+    """The 300-token sequence runs on 4 ranks (225 of its tokens leave its rank); of the 24
+    equal images, 8 must move to even the ranks out — the other 16 stay home (the old planner
+    moved 513 tokens for the same makespan)."""
+    plan = plan_sequences([[16] * 12, [16] * 8, [300], [16] * 4], "auto", WorkloadModel(d_model=3072))
+    assert plan.makespan == pytest.approx(plan.lower_bound, rel=1e-9)
+    assert plan.tokens_moved == 225 + 8 * 16

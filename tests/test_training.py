@@ -88,3 +88,13 @@ def test_examples_exit_cleanly_without_gc_collect(script):
             [*cmd, str(ROOT / "examples" / script)], capture_output=True, text=True, timeout=180, env=env
         )
         assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_jsonl_writer_on_every_rank_writes_one_record_per_step(tmp_path):
+    import json
+
+    run_distributed(W.telemetry_files, 2, str(tmp_path), timeout=60)
+    shared = [json.loads(line) for line in (tmp_path / "shared.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in shared] == [1, 2, 3]
+    for rank in (0, 1):
+        assert len((tmp_path / f"rank_{rank}.jsonl").read_text().splitlines()) == 3

@@ -201,3 +201,15 @@ def device_mesh_groups(rank: int, world: int) -> dict:
     assert torch.equal(bal2.reverse_route(bal2.route(x)), x)
     out["2-D balance"] = dist.get_process_group_ranks(bal2.group)
     return out
+
+
+def telemetry_files(rank: int, world: int, folder: str) -> None:
+    """jsonl_writer registered on every rank: one shared file with one record per step, and
+    one file per rank with ``{rank}``."""
+    from knapformer.telemetry import jsonl_writer
+
+    bal = SequenceBalancer(f"g1n{world}", MODEL)
+    bal.on_step(jsonl_writer(f"{folder}/shared.jsonl"))
+    bal.on_step(jsonl_writer(f"{folder}/rank_{{rank}}.jsonl"))
+    for step in range(3):
+        bal.plan([5 + step + rank])

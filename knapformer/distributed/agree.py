@@ -18,6 +18,7 @@ agreement runs on a gloo twin of the group (CPU tensors: no device synchronisati
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -57,8 +58,13 @@ def signature(tensors, names=None) -> tuple[tuple[str, str], ...]:
 
 def describe(t: torch.Tensor) -> str:
     """``float32 (·, 4, 16)``: dtype and shape with the token dimension left open."""
-    dims = ", ".join(["·", *map(str, t.shape[1:])]) + ("," if t.dim() == 1 else "")
-    return f"{str(t.dtype).removeprefix('torch.')} ({dims})"
+    return _describe(t.dtype, tuple(t.shape[1:]), t.dim())
+
+
+@functools.lru_cache(maxsize=1024)
+def _describe(dtype: torch.dtype, trailing: tuple[int, ...], ndim: int) -> str:
+    dims = ", ".join(["·", *map(str, trailing)]) + ("," if ndim == 1 else "")
+    return f"{str(dtype).removeprefix('torch.')} ({dims})"
 
 
 @dataclass(frozen=True)
@@ -78,8 +84,15 @@ class Call:
         return f"{self.op} (call {self.index} of step {self.step})"
 
 
+@functools.lru_cache(maxsize=4096)
+def _digest_of(values: tuple) -> int:
+    """The digest of an operation name or of a call's values (cached: the same few recur every
+    layer of every step)."""
+    return digest62(json.dumps(values))
+
+
 def _row(call: Call, error: str, plan: int) -> list[int]:
-    values = [digest62(call.op), call.index, call.step, digest62(json.dumps(call.values)), plan]
+    values = [_digest_of(call.op), call.index, call.step, _digest_of(call.values), plan]
     row = [1 if error else 0]
     for v in values:
         row += [v, -v]

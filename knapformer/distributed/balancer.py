@@ -20,6 +20,7 @@ collectives use the group's backend: gloo for CPU tensors, NCCL for CUDA tensors
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from typing import NoReturn
@@ -27,15 +28,16 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from knapformer.attention.varlen import varlen_attention
 from knapformer.config import BalancerConfig
-from knapformer.distributed import cross, lifetime, ops, ulysses
-from knapformer.distributed.agree import describe, digest62, group_device
-from knapformer.distributed.checks import StepChecks, as_lengths, attention_problem
+from knapformer.distributed import compiled, cross, lifetime, ops, ulysses
+from knapformer.distributed.agree import digest62, group_device
+from knapformer.distributed.attention_calls import AttentionCalls
+from knapformer.distributed.checks import StepChecks, as_lengths
 from knapformer.distributed.closed_loop import ClosedLoop
 from knapformer.distributed.settings import agree_settings, asked_group, resolve_groups
 from knapformer.distributed.spec import RouteSpec, build_route_spec
-from knapformer.errors import BalancerConfigError, BalancerInputError, InvalidPlanError, PlanMismatchError
+from knapformer.errors import BalancerConfigError, BalancerInputError, PlanMismatchError
+from knapformer.executor.opaque import owner_handle
 from knapformer.executor.protocol import RoutedContext
 from knapformer.layout import AutoLayout, BagLayout
 from knapformer.plan import Plan, PlanProblem, get_solver
@@ -45,11 +47,13 @@ from knapformer.workload import WorkloadModel
 
 __all__ = ["STATE_VERSION", "BalancerConfigError", "BalancerInputError", "PlanMismatchError", "SequenceBalancer"]
 
+_log = logging.getLogger("knapformer")
+
 STATE_VERSION = 1
 """Version of :meth:`SequenceBalancer.state_dict`'s format."""
 
 
-class SequenceBalancer:
+class SequenceBalancer(AttentionCalls):
     """Plans and executes sequence balancing for one balancing group per replica.
 
     Build it from a :class:`~knapformer.config.BalancerConfig`, or with the layout and cost
@@ -107,6 +111,7 @@ class SequenceBalancer:
         self._plan: Plan | None = None
         self._spec: RouteSpec | None = None
         self._call: ulysses.UlyssesCall | None = None  # the last pre_attn, for post_attn
+        self._opaque = owner_handle(self)  # how torch.compile's operators find this balancer
 
     # -- settings --------------------------------------------------------------------------------
     @property
@@ -144,6 +149,7 @@ class SequenceBalancer:
         return self._loop.planning.cost  # type: ignore[return-value]
 
     # -- planning --------------------------------------------------------------------------------
+    @torch.compiler.disable
     def plan(self, local_seq_lens: Sequence[int]) -> Plan:
         """Gather every rank's lengths, plan, and build this rank's route spec. Collective over
         the balancing group (an agreement, then two all-gathers); returns the same
@@ -193,8 +199,20 @@ class SequenceBalancer:
         if self.debug:
             self._checks.agree("plan digest")
         self._loop.start_step(plan, self.num_plans)
+        if _log.isEnabledFor(logging.DEBUG):
+            _log.debug(
+                "step %d rank %d: %s plan in %.1f ms, predicted imbalance %.3f -> %.3f, %d tokens moved",
+                self.num_plans,
+                self.group_rank,
+                plan.solver,
+                1e3 * plan.plan_seconds,
+                plan.imbalance_before,
+                plan.imbalance_after,
+                plan.tokens_moved,
+            )
         return plan
 
+    @torch.compiler.disable
     def use_plan(self, plan: Plan) -> Plan:
         """Execute a plan made elsewhere (any groups of ranks: non-contiguous, overlapping,
         different every step). Collective: every rank must pass the identical plan; it is
@@ -245,6 +263,7 @@ class SequenceBalancer:
         completes at the next ``plan`` or at :meth:`flush`)."""
         self._loop.callbacks.append(callback)
 
+    @torch.compiler.disable
     def flush(self) -> StepTelemetry | None:
         """Complete the last step's telemetry now (collective: an agreement and one small
         all-gather) instead of at the next ``plan``; returns it."""
@@ -258,6 +277,7 @@ class SequenceBalancer:
         return self.last_step
 
     # -- resumable state -------------------------------------------------------------------------
+    @torch.compiler.disable
     def state_dict(self) -> dict:
         """What a resumed job needs to plan exactly as this one would: the step counter and the
         closed loop's fitted cost model, rank speeds and fit history. Collective: it completes
@@ -266,6 +286,7 @@ class SequenceBalancer:
         self.flush()
         return {"version": STATE_VERSION, "step": self.num_plans, "closed_loop": self._loop.state_dict()}
 
+    @torch.compiler.disable
     def load_state_dict(self, state: dict) -> None:
         """Continue from :meth:`state_dict` of another balancer (e.g. before a restart).
         Collective: every rank must load the same state (agreed; a rank that loaded another one,
@@ -291,6 +312,7 @@ class SequenceBalancer:
         not wait in a collective this rank has left."""
         self._checks.defer(message)
 
+    @torch.compiler.disable
     def raise_everywhere(self, message: str) -> NoReturn:
         """Raise ``message`` now, on every rank of the group: this rank joins the agreement the
         others are entering at their next exchange, and all of them raise
@@ -300,6 +322,7 @@ class SequenceBalancer:
         raise AssertionError("unreachable: the agreement raises")  # pragma: no cover
 
     # -- execution -------------------------------------------------------------------------------
+    @torch.compiler.disable
     def route(self, x: torch.Tensor, *features: torch.Tensor, seq_lens: Sequence[int] | None = None, names=None):
         """Move tokens (T, *F) to their planned ranks -> (R, *F); several tensors -> a tuple.
         One all_to_all_single per dtype; differentiable (backward = reverse exchange).
@@ -317,6 +340,7 @@ class SequenceBalancer:
         out = ops.route(self._loop.on_route(tensors), spec, self.group)
         return out[0] if not features else tuple(out)
 
+    @torch.compiler.disable
     def reverse_route(self, y: torch.Tensor, *features: torch.Tensor, names=None):
         """Inverse of :meth:`route`: (R, *F) -> (T, *F) in the caller's original order."""
         _, spec = self._require_spec()
@@ -326,66 +350,7 @@ class SequenceBalancer:
         out = ops.reverse_route(tensors, spec, self.group)
         return out[0] if not features else tuple(out)
 
-    def _pre(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> ulysses.UlyssesCall:
-        _, spec = self._require_spec()
-        q, k, v = _autocast(q, k, v)
-        error = attention_problem(q, k, v, spec.num_routed, self.group_rank)
-        values = () if error else tuple((n, describe(t)) for n, t in zip("qkv", (q, k, v)))
-        self._checks.agree("pre_attn", error, values)
-        # the shapes agree: a plan whose groups cannot split them fails the same way on every rank
-        heads = ulysses.check_heads(q.shape[1], k.shape[1], spec)
-        if heads:
-            raise InvalidPlanError(f"SequenceBalancer.pre_attn: the plan cannot run these heads: {heads}")
-        return ulysses.pre_attn_batches(q, k, v, spec, self.group)
-
-    def _post(self, call: ulysses.UlyssesCall, outs: list, error: str = "") -> torch.Tensor:
-        _, spec = self._require_spec()
-        for b, o in zip(call.batches, outs) if not error else ():
-            expected = (b.q.shape[0], b.q.shape[1], b.v.shape[2])
-            if not isinstance(o, torch.Tensor) or tuple(o.shape) != expected or o.dtype != b.v.dtype:
-                got = (tuple(o.shape), o.dtype) if isinstance(o, torch.Tensor) else type(o).__name__
-                error = f"post_attn got {got} on rank {self.group_rank}, expected {expected} of {b.v.dtype}"
-                break
-        self._checks.agree("post_attn", error)
-        return ulysses.post_attn_batches(call, outs, spec, self.group)
-
-    def pre_attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Routed q (R, h, D), k/v (R, h_kv, ·) -> ``(q2, k2, v2, cu_seqlens, max_len)`` for one
-        custom varlen kernel call; :meth:`post_attn` takes its output. A rank whose sequences
-        all have one degree k (every bag layout) gets (A, h/k, ·) with its head slice; a rank
-        mixing degrees gets (sequence, query head) pairs of one head each."""
-        call = self._pre(q, k, v)
-        self._call = call
-        return ulysses.flatten_pairs(call)
-
-    def post_attn(self, o: torch.Tensor) -> torch.Tensor:
-        """Output of the kernel run on :meth:`pre_attn`'s tensors -> (R, h, Dv) in routed order.
-        A wrong shape or dtype on any rank raises on every rank (before the exchange)."""
-        call = self._call
-        if call is None:
-            raise RuntimeError("SequenceBalancer.post_attn: call pre_attn first (post_attn inverts it)")
-        self._call = None
-        if len(call.batches) == 1:
-            return self._post(call, [o])
-        n, dv = sum(b.q.shape[0] * b.q.shape[1] for b in call.batches), call.heads[3]
-        if isinstance(o, torch.Tensor) and tuple(o.shape) == (n, 1, dv):
-            return self._post(call, ulysses.unflatten_pairs(o, call))
-        got = tuple(o.shape) if isinstance(o, torch.Tensor) else type(o).__name__
-        error = f"post_attn got {got} on rank {self.group_rank}, expected {(n, 1, dv)} (pre_attn's head pairs)"
-        return self._post(call, [], error)
-
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
-        """Attention of routed tokens within their own sequences: q (R, h, D), k/v (R, h_kv, ·)
-        -> (R, h, Dv); one varlen call per parallel degree on this rank. Under
-        ``torch.autocast`` q, k, v are cast to the autocast dtype first, as SDPA does."""
-        call = self._pre(q, k, v)
-        backend = self.config.attn_backend
-        outs = [
-            varlen_attention(b.q, b.k, b.v, b.cu_seqlens, b.max_len, causal=causal, backend=backend)
-            for b in call.batches
-        ]
-        return self._post(call, outs)
-
+    @torch.compiler.disable
     def gather_sequences(self, *per_seq: torch.Tensor, names=None) -> tuple[torch.Tensor, ...]:
         """Per-sequence rows of every rank of the group, in group sequence-id order: (n_local,
         *F) each -> (n_group, *F), indexable by ``routed_positions()[0]``. Differentiable; one
@@ -395,6 +360,7 @@ class SequenceBalancer:
         self._checks.tensors("gather_sequences", per_seq, counts[self.group_rank], names=names)
         return tuple(ops.gather_sequences(per_seq, counts, self.group_rank, self.group))
 
+    @torch.compiler.disable
     def route_context(self, context: torch.Tensor, lens: Sequence[int]) -> RoutedContext:
         """Send each local sequence's context (``lens[i]`` rows of ``context`` for local
         sequence i, e.g. its embedded text) to every rank of the group that holds queries of
@@ -404,29 +370,19 @@ class SequenceBalancer:
         context stays on its own rank."""
         return cross.route_context(self, context, lens)
 
-    def cross_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: RoutedContext
-    ) -> torch.Tensor:
-        """Cross-attention of routed queries q (R, h, D) over their own sequence's context:
-        k (M, h_kv, D), v (M, h_kv, Dv) projected from ``context.rows`` -> (R, h, Dv). Local:
-        each rank computes all heads for the queries it holds (no exchange). A bad shape on
-        one rank is raised on every rank at the next agreement (zeros meanwhile)."""
-        q, k, v = _autocast(q, k, v)
-        return cross.cross_attention(self, q, k, v, context)
+    def routed_positions(self, device: torch.device | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per routed token: global sequence id in the group (rank-major) and position (int64),
+        on ``device`` — or on the device of a tensor of the routed tokens, which under
+        ``torch.compile`` keeps the call in the graph (an operator shaped like that tensor)."""
+        if isinstance(device, torch.Tensor):
+            if torch.compiler.is_compiling():
+                return compiled.routed_positions(device, self._opaque)
+            device = device.device
+        return self._positions_eager(device)
 
-    def routed_positions(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per routed token: global sequence id in the group (rank-major) and position (int64)."""
+    def _positions_eager(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         _, spec = self._require_spec()
         if device is None:
             return spec.routed_seq_id, spec.routed_pos
         idx = spec.indices_on(device)
         return idx["routed_seq_id"], idx["routed_pos"]
-
-
-def _autocast(q, k, v):
-    """Under ``torch.autocast`` for the tensors' device: q, k, v in the autocast dtype (what SDPA
-    does with its inputs), so mixed dtypes become one."""
-    if not isinstance(q, torch.Tensor) or not torch.is_autocast_enabled(q.device.type):
-        return q, k, v
-    dtype = torch.get_autocast_dtype(q.device.type)
-    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q, k, v))

@@ -18,12 +18,19 @@ import torch
 from knapformer.distributed import ops
 from knapformer.distributed.agree import group_device, signature
 from knapformer.distributed.context import build_context_route
-from knapformer.executor.protocol import RoutedContext, context_problem, cross_attend, cross_problem, routed_context
+from knapformer.executor.protocol import (
+    RoutedContext,
+    context_problem,
+    cross_attend,
+    cross_attend_tensors,
+    cross_problem,
+    routed_context,
+)
 
 if TYPE_CHECKING:
     from knapformer.distributed.balancer import SequenceBalancer
 
-__all__ = ["cross_attention", "route_context"]
+__all__ = ["cross_attention", "cross_attention_tensors", "route_context"]
 
 
 def route_context(bal: SequenceBalancer, context: torch.Tensor, lens: Sequence[int]) -> RoutedContext:
@@ -56,3 +63,19 @@ def cross_attention(
     if error:
         raise ValueError(f"cross_attention: {error}")
     return cross_attend(q, k, v, context, bal.config.attn_backend)
+
+
+def cross_attention_tensors(bal: SequenceBalancer, q, k, v, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """:func:`cross_attention` given the context's tensors (``context_tensors``): what the
+    compiled path runs inside its opaque operator."""
+    _, spec = bal._require_spec()
+    cu_q, cu_k = tensors[0], tensors[1]
+    error = ""
+    if q.shape[0] != spec.num_routed or q.shape[0] != int(cu_q[-1]):
+        error = f"q has {q.shape[0]} rows; routed tokens: {spec.num_routed}"
+    elif k.shape[0] != int(cu_k[-1]) or v.shape[0] != k.shape[0]:
+        error = f"k/v have {k.shape[0]}/{v.shape[0]} rows; the routed context has {int(cu_k[-1])}"
+    if error:
+        bal._checks.defer(f"cross_attention on rank {bal.group_rank}: {error}")
+        return q.new_zeros((q.shape[0], q.shape[1], v.shape[2])) + 0 * q.sum()
+    return cross_attend_tensors(q, k, v, tensors, bal.config.attn_backend)

@@ -1,83 +1,84 @@
-"""Collectives whose tensors outlive gloo's hold on them: the fix for the abort at exit.
+"""Exit without an abort: wait for gloo's worker threads before the interpreter shuts down.
 
 Why a process that trained could abort at exit (``terminate called without an active
 exception``, SIGABRT): a gloo worker thread marks a collective complete *before* it drops its
 own reference to the work object, and with it to the work's tensors. Measured here: right after
-``dist.all_reduce`` returns, the worker still holds the tensor in about 30% of calls, for up to
-~150 µs. If Python drops its last reference in that window (a temporary), PyTorch keeps the
-Python object alive, owned by the tensor; the worker then frees it — which needs the
-interpreter lock. During normal running that is harmless; if the interpreter has begun to shut
-down, the worker cannot take the lock, the thread is unwound from a ``noexcept`` destructor and
-the process aborts. ``gc.collect()`` before ``destroy_process_group()`` only changes when the
-last tensors die, not whether the worker still holds them.
+``dist.all_reduce`` returns, the worker still holds the tensor in about 30% of calls, for
+~100 µs on a loaded 2-core machine. If Python drops its last reference in that window (a
+temporary), PyTorch keeps the tensor's Python object alive, owned by the tensor, and the worker
+frees it later — which needs the interpreter lock. While the program runs that is harmless; if
+the interpreter has begun to shut down, the worker cannot take the lock, its thread is unwound
+through a ``noexcept`` destructor and the process aborts. ``gc.collect()`` before
+``destroy_process_group()`` only changes when the last tensors die, not whether a worker still
+holds them.
 
-The fix, for every collective knapformer issues (:func:`collective`): after the call, wait —
-yielding the CPU, typically a few microseconds — until no tensor of the call is held by more
-references than before it (``Tensor._use_count()``), i.e. until the worker has let go, before
-the caller can drop them. Then no tensor of ours is ever freed by a gloo thread. (A tensor that
-is still held after a second is kept alive in a list instead, and an ``atexit`` hook — which
-runs while the lock can still be taken — waits for those before the interpreter shuts down.)
-Collectives a user issues directly are theirs to keep alive: hold the tensors of your last
-collectives until ``destroy_process_group`` (docs, troubleshooting), or call them through
-:func:`collective`.
+The fix: the first collective knapformer issues registers an ``atexit`` hook (:func:`wait_idle`).
+``atexit`` hooks run before the interpreter starts shutting down, while the lock can still be
+taken; the hook releases it (sleeping) until every gloo worker thread of the process
+(``pt_gloo_runloop``) has been seen blocked in a wait twice in a row — idle, its last work
+dropped and any Python object it held freed — or 5 s have passed. Then no worker touches Python
+during shutdown, whoever issued the last collective (knapformer or the training loop). Nothing
+runs per collective: the hook costs a few milliseconds once, at exit.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 
-import torch
-
-__all__ = ["collective", "held", "settle"]
+__all__ = ["collective", "gloo_workers_busy", "wait_idle"]
 
 _log = logging.getLogger("knapformer")
-_pending: list[tuple[torch.Tensor, int]] = []
 _registered = False
+_WORKER = "pt_gloo_runloop"
 
 
-def _released(t: torch.Tensor, baseline: int) -> bool:
-    return t._use_count() <= baseline
-
-
-def collective(fn: Callable[[], object], tensors: Sequence[torch.Tensor], *, patience: float = 1.0):
-    """Run the blocking collective ``fn`` over ``tensors`` (its inputs and outputs) and return
-    only once no worker holds them any more (or, after ``patience`` seconds, keep them alive
-    until exit)."""
+def collective(fn: Callable[[], object], tensors: Sequence = ()):
+    """Run the collective ``fn`` (over ``tensors``), with the exit hook in place."""
     global _registered
-    if _pending:
-        settle()
-    baselines = [t._use_count() for t in tensors]
-    out = fn()
-    late = [(t, b) for t, b in zip(tensors, baselines) if not _released(t, b)]
-    deadline = time.monotonic() + patience
-    while late and time.monotonic() < deadline:
-        time.sleep(0)  # let the worker run (and drop its reference)
-        late = [(t, b) for t, b in late if not _released(t, b)]
-    if late:
-        _pending.extend(late)
-        if not _registered:
-            atexit.register(settle, wait=True)
-            _registered = True
-    return out
+    if not _registered:
+        atexit.register(wait_idle)
+        _registered = True
+    return fn()
 
 
-def held() -> int:
-    """Tensors still held by a finished collective's worker (kept alive here)."""
-    return len(_pending)
+def gloo_workers_busy() -> int | None:
+    """gloo worker threads of this process that are not blocked in a wait (None: the platform
+    cannot tell — no ``/proc``)."""
+    tasks = "/proc/self/task"
+    if not os.path.isdir(tasks):
+        return None
+    busy = 0
+    for tid in os.listdir(tasks):
+        try:
+            with open(f"{tasks}/{tid}/comm") as f:
+                if f.read().strip() != _WORKER:
+                    continue
+            with open(f"{tasks}/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:  # the thread just exited
+            continue
+        busy += state not in ("S", "D", "I")
+    return busy
 
 
-def settle(*, wait: bool = False, timeout: float = 10.0) -> int:
-    """Drop the references whose tensors gloo has released; with ``wait``, wait (releasing the
-    interpreter lock) until all are, up to ``timeout`` seconds. Returns how many remain."""
+def wait_idle(timeout: float = 5.0) -> bool:
+    """Sleep (the interpreter lock released) until every gloo worker thread has been seen idle
+    twice in a row; True when they were, False after ``timeout`` seconds (logged) or where
+    threads cannot be inspected (then a short grace period is all it can do)."""
     deadline = time.monotonic() + timeout
-    while True:
-        _pending[:] = [(t, b) for t, b in _pending if not _released(t, b)]
-        if not _pending or not wait:
-            return len(_pending)
-        if time.monotonic() > deadline:
-            _log.warning("knapformer: %d collective buffers still held by gloo after %.0f s", len(_pending), timeout)
-            return len(_pending)
-        time.sleep(0.001)
+    quiet = 0
+    while time.monotonic() < deadline:
+        time.sleep(0.002)
+        busy = gloo_workers_busy()
+        if busy is None:
+            time.sleep(0.05)
+            return False
+        quiet = quiet + 1 if busy == 0 else 0
+        if quiet >= 2:
+            return True
+    _log.warning("knapformer: gloo worker threads still busy %.0f s after the program ended", timeout)
+    return False

@@ -135,6 +135,8 @@ def _packed_exchange(
 
 def route(tensors: Sequence[torch.Tensor], spec: RouteSpec, group=None) -> list[torch.Tensor]:
     """Local order -> routed order for each tensor (T, *F) -> (R, *F)."""
+    if not spec.routes:  # every sequence whole at home: the routed order is the local order
+        return list(tensors)
     idx = spec.indices_on(tensors[0].device)
     after = _identity
     if spec.recv_index is not None:  # a rank in several groups: received by source, routed by group
@@ -151,6 +153,8 @@ def route(tensors: Sequence[torch.Tensor], spec: RouteSpec, group=None) -> list[
 
 def reverse_route(tensors: Sequence[torch.Tensor], spec: RouteSpec, group=None) -> list[torch.Tensor]:
     """Routed order -> local order for each tensor (R, *F) -> (T, *F); inverse of :func:`route`."""
+    if not spec.routes:
+        return list(tensors)
     idx = spec.indices_on(tensors[0].device)
     before = _identity
     if spec.recv_index is not None:

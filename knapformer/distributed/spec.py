@@ -118,6 +118,9 @@ class RouteSpec:
     checked against them)."""
     has_ulysses: bool
     """Some group of the plan has several members: every rank joins the pre/post exchanges."""
+    routes: bool
+    """Some token changes rank or some group has several members (the same on every rank): else
+    every rank's routed order is its local order and route/reverse move nothing (identities)."""
     peer_tokens: dict[tuple[int, int], int] = field(repr=False)
     """(peer, entry index) -> tokens of that entry routed to that peer."""
     chunk_info: ChunkInfo = field(repr=False)
@@ -244,6 +247,7 @@ def build_route_spec(plan: Plan, rank: int) -> RouteSpec:
         local_seq_lens=local_lens,
         used_groups=tuple(tuple(int(r) for r in plan.groups[g]) for g in by_size.tolist()),
         has_ulysses=bool(used.size and sizes[used].max() > 1),
+        routes=bool((used.size and sizes[used].max() > 1) or (ch[:, SRC] != ch[:, DST]).any()),
         peer_tokens=peer_tokens,
         chunk_info=chunk_info,
     )

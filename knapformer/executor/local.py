@@ -13,10 +13,13 @@ from typing import NoReturn
 import torch
 
 from knapformer.attention.varlen import varlen_attention
+from knapformer.executor.opaque import attend, register_kind
 from knapformer.executor.protocol import (
     RoutedContext,
     context_problem,
+    context_tensors,
     cross_attend,
+    cross_attend_tensors,
     cross_problem,
     routed_context,
 )
@@ -72,6 +75,8 @@ class LocalExecutor:
         return y if not features else (y, *features)
 
     def attention(self, q, k, v, causal: bool = False):
+        if torch.compiler.is_compiling():  # one opaque operator: no graph break, no recompile per step
+            return attend("local", q, k, v, [self._cu.to(q.device)], causal=causal, backend=self.attn_backend)
         self._raise_pending()
         return varlen_attention(
             q, k, v, self._cu.to(q.device), max(self.seq_lens, default=0), causal=causal, backend=self.attn_backend
@@ -95,6 +100,9 @@ class LocalExecutor:
         return o
 
     def routed_positions(self, device=None):
+        """(seq id, position) of every token, on ``device`` (or a tensor's device)."""
+        if isinstance(device, torch.Tensor):
+            device = device.device
         return local_positions(self.seq_lens, device)
 
     def gather_sequences(self, *per_seq, names=None):
@@ -111,6 +119,8 @@ class LocalExecutor:
         return routed_context(context, torch.arange(len(self.seq_lens)), lens, seq)
 
     def cross_attention(self, q, k, v, context: RoutedContext):
+        if torch.compiler.is_compiling():
+            return attend("cross", q, k, v, context_tensors(context), backend=self.attn_backend)
         error = cross_problem(q, k, v, context, sum(self.seq_lens))
         if error:
             raise ValueError(f"cross_attention: {error}")
@@ -122,3 +132,13 @@ class LocalExecutor:
     def raise_everywhere(self, message: str) -> NoReturn:
         self._pending = ""
         raise ValueError(message)
+
+
+def _local_kind(owner, q, k, v, extra, causal, backend):
+    cu = extra[0]
+    max_len = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    return varlen_attention(q, k, v, cu, max_len, causal=causal, backend=backend)
+
+
+register_kind("local", _local_kind)
+register_kind("cross", lambda owner, q, k, v, extra, causal, backend: cross_attend_tensors(q, k, v, extra, backend))

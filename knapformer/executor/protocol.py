@@ -42,7 +42,9 @@ __all__ = [
     "RoutedContext",
     "TokenExecutor",
     "context_problem",
+    "context_tensors",
     "cross_attend",
+    "cross_attend_tensors",
     "cross_problem",
     "routed_context",
 ]
@@ -69,8 +71,10 @@ class TokenExecutor(Protocol):
     def post_attn(self, o: torch.Tensor) -> torch.Tensor:
         """The custom kernel's output on :meth:`pre_attn`'s tensors -> (R, h, Dv)."""
 
-    def routed_positions(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per routed token: sequence id (ids of the whole group, rank-major) and position."""
+    def routed_positions(self, device: torch.device | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per routed token: sequence id (ids of the whole group, rank-major) and position, on
+        ``device`` or on the device of a tensor of the routed tokens (the form ``torch.compile``
+        keeps in the graph)."""
 
     def gather_sequences(self, *per_seq: torch.Tensor, names=None) -> tuple[torch.Tensor, ...]:
         """Per-sequence rows of every rank, indexable by ``routed_positions()[0]``."""
@@ -171,7 +175,20 @@ def cross_problem(q, k, v, context: RoutedContext, routed: int) -> str:
 
 def cross_attend(q, k, v, context: RoutedContext, backend: str) -> torch.Tensor:
     """Cross-attention of routed queries over their sequences' routed context."""
-    if context.q_order is not None:
-        q = q.index_select(0, context.q_order)
-    o = varlen_cross_attention(q, k, v, context.cu_q, context.cu_k, backend=backend)
-    return o if context.q_inverse is None else o.index_select(0, context.q_inverse)
+    return cross_attend_tensors(q, k, v, context_tensors(context), backend)
+
+
+def context_tensors(context: RoutedContext) -> list[torch.Tensor]:
+    """The tensors cross-attention needs of a context: its bounds, and its query order (when the
+    routed order is not grouped by sequence)."""
+    order = [] if context.q_order is None else [context.q_order, context.q_inverse]
+    return [context.cu_q, context.cu_k, *order]
+
+
+def cross_attend_tensors(q, k, v, tensors: list[torch.Tensor], backend: str) -> torch.Tensor:
+    """:func:`cross_attend` from :func:`context_tensors`."""
+    cu_q, cu_k, *order = tensors
+    if order:
+        q = q.index_select(0, order[0])
+    o = varlen_cross_attention(q, k, v, cu_q, cu_k, backend=backend)
+    return o.index_select(0, order[1]) if order else o

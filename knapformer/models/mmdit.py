@@ -161,7 +161,7 @@ class MMDiT(nn.Module):
         seq_l, pos_l = local_positions(seq_lens, x_TI.device)
         meta_l = token_meta(seq_l, pos_l, txt_lens.to(x_TI.device))
         h = ex.route(_linear_by_stream(x_TI, meta_l, self.txt_in, self.img_in), seq_lens=seq_lens)
-        seq_id, pos = ex.routed_positions(h.device)
+        seq_id, pos = ex.routed_positions(h)
         meta = token_meta(seq_id, pos, txt_all)
         # 3. blocks
         for block in self.blocks:

@@ -60,7 +60,7 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         ex = executor if executor is not None else LocalExecutor(seq_lens)
         h = ex.route(self.inp(x_TI), seq_lens=seq_lens)  # route after the input projection
-        _, pos = ex.routed_positions(h.device)
+        _, pos = ex.routed_positions(h)
         for block in self.blocks:
             h = block(h, pos, ex)
         return ex.reverse_route(self.out(self.norm(h)))  # back to the caller's order

@@ -119,6 +119,9 @@ class CommFeatures:
     route_recv: np.ndarray
     route_copy: np.ndarray  # (S,) per route: the tokens the rank gathers and receives
     joins: bool
+    routes: bool
+    """Some token changes rank or some group has several members: route and reverse run (a plan
+    that keeps every sequence whole at home routes nothing — the executor skips it)."""
 
 
 def comm_features(
@@ -161,7 +164,8 @@ def comm_features(
         out["post_send"][cls] = all_L_o - own_o
         out["post_recv"][cls] = sum_by(dst, held * (ck - 1) * o[gid], S)
     route_copy = sum_by(dst, ln, S) * model.d_model
-    return CommFeatures(joins=bool(multi.any()), ulysses_copy=copy, route_copy=route_copy, **out)
+    routes = bool(multi.any() or (src != dst).any())
+    return CommFeatures(joins=bool(multi.any()), routes=routes, ulysses_copy=copy, route_copy=route_copy, **out)
 
 
 def a2a_seconds(sent: np.ndarray, recv: np.ndarray, bw: float, latency: float) -> np.ndarray:
@@ -192,7 +196,10 @@ def ulysses_seconds(f: CommFeatures, link: LinkModel) -> np.ndarray:
 
 def route_seconds(f: CommFeatures, link: LinkModel) -> np.ndarray:
     """(S,) seconds per step of route and reverse, forward and backward (4 exchanges), local
-    copies included (4 passes: gather, pack, unpack, scatter)."""
+    copies included (4 passes: gather, pack, unpack, scatter); none for a plan that routes
+    nothing."""
+    if not f.routes:
+        return np.zeros(f.route_send.shape[1])
     t = _a2a(f.route_send, f.route_recv, link)
     if link.copy_bw is not None:
         t = t + 4 * f.route_copy * link.bytes_per_value / link.copy_bw

@@ -46,7 +46,12 @@ class CliError(ValueError):
 
 class Parser(argparse.ArgumentParser):
     """argparse with the one-line error contract: ``prog: error: message`` and exit 2 (no
-    usage block: the message names the flag and the value)."""
+    usage block: the message names the flag and the value); every ``--help`` shows each
+    flag's default."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -161,7 +166,7 @@ def add_balancer_args(
     """Flags of :class:`~knapformer.config.BalancerConfig` (plus the cost model's γ/profile);
     ``execution=False`` leaves out the settings only a running balancer reads."""
     g = p.add_argument_group("balancer")
-    g.add_argument("--bags", default=bags_default, required=bags_required, help=bags_help)
+    g.add_argument("--bags", "--layout", dest="bags", default=bags_default, required=bags_required, help=bags_help)
     g.add_argument(
         "--solver",
         default=None,

@@ -29,6 +29,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--d-model", type=positive_int, default=3072, help="model width d (paper cost form)")
     p.add_argument("--causal", action="store_true", help="causal attention (half the quadratic cost)")
     p.add_argument(
+        "--layers",
+        type=positive_int,
+        default=1,
+        help="layers of the model: a step's route exchanges are priced against this many layers of compute",
+    )
+    p.add_argument(
         "--heads",
         type=positive_int,
         default=None,
@@ -63,7 +69,9 @@ def summary(plan: Plan, layout_spec: str) -> str:
 def run(args: argparse.Namespace) -> int:
     seq_lens = load_seq_lens(args.input)
     layout = parse_layout(args.bags)
-    model = cost_model_from_args(args, d_model=args.d_model, causal=args.causal, check_dim=False)
+    model = cost_model_from_args(
+        args, d_model=args.d_model, causal=args.causal, num_layers=args.layers, check_dim=False
+    )
     if args.heads is not None or args.kv_heads is not None:
         model = dataclasses.replace(model, num_heads=args.heads, num_kv_heads=args.kv_heads)
     link = None

@@ -1,6 +1,6 @@
 """Plan the paper's three mixes under four layouts and show what balancing predicts.
 
-    python -m knapformer.tools.plan_demo --out runs/demo     (or: knapformer demo)
+    python -m knapformer.tools.plan_demo --out runs/plan-demo     (or: knapformer plan-demo)
 
 Prints one row per (mix, layout, solver): imbalance before/after, makespan over the lower
 bound, tokens moved and planning time; writes ``table.json`` and a PNG of per-rank work.
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_tool("demo", add_args, run, argv, description=__doc__.splitlines()[0])
+    return run_tool("plan-demo", add_args, run, argv, description=__doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

@@ -34,8 +34,9 @@ class SimConfig:
     """Processes to spawn (ignored under torchrun: the world size is used)."""
     mix: str = DEMO_MIX
     """Mix name (paper-lowres, paper-mixres, paper-joint) or data codes; tiled over the ranks."""
-    scale: int = 2
-    """Resolution divisor so a CPU run keeps the mix's shape at 1/scale² of the tokens."""
+    scale: int | None = None
+    """Resolution divisor so a CPU run keeps the mix's shape at 1/scale² of the tokens; None = 2
+    for the built-in demo mix, 1 (the data codes as written) for any other mix."""
     bags: str | None = None
     """Bag layout of the balanced run; None = one bag of all ranks (g{ranks}n1)."""
     model: str = "mmdit-small"
@@ -90,6 +91,8 @@ class SimConfig:
     again each step; both runs get it (see ``knapformer.testing.keep_freed_memory``)."""
 
     def __post_init__(self) -> None:
+        if self.scale is None:
+            object.__setattr__(self, "scale", 2 if self.mix == DEMO_MIX else 1)
         if self.ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {self.ranks}")
         if self.steps < 1 or self.warmup < 0:
@@ -142,7 +145,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--ranks", type=positive_int, default=d.ranks, help="ranks to spawn on this machine (not under torchrun)"
     )
     p.add_argument("--mix", default=d.mix, help="mix name or data codes g{G}b{B}i{R}f{F}s{S},...")
-    p.add_argument("--scale", type=positive_int, default=d.scale, help="resolution divisor for CPU runs")
+    p.add_argument(
+        "--scale",
+        type=positive_int,
+        default=None,
+        help="resolution divisor for CPU runs (default: 2 for the built-in demo mix, 1 for any other mix)",
+    )
     p.add_argument(
         "--model", default=d.model, help="model preset: mmdit-tiny, mmdit-small, transformer-tiny, flux, ..."
     )

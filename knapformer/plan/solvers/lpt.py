@@ -35,7 +35,7 @@ from knapformer.plan.solvers.bnb import branch_and_bound
 from knapformer.plan.solvers.common import fits_cap, stamp
 from knapformer.plan.solvers.fit import best_fit_decreasing, exhaustive_fit, home_fit
 from knapformer.plan.solvers.paper import paper_assignment
-from knapformer.plan.solvers.refine import local_search, relabel_for_locality
+from knapformer.plan.solvers.refine import local_search, relabel_for_locality, settle_home
 
 __all__ = ["home_assignment", "lpt_assignment", "lpt_fill", "solve_lpt"]
 
@@ -217,6 +217,13 @@ def solve_lpt(problem: PlanProblem, *, time_budget_s: float | None = None) -> Pl
     iters = opts.max_iters if opts.max_iters is not None else len(problem.bags) + 100
     default_gap = 5e-5 if problem.num_seqs <= 2048 else 5e-4
     stop_at = problem.lower_bound * (1 + (opts.stop_gap if opts.stop_gap is not None else default_gap))
+    if bool((problem.bag_size == 1).all()):  # every sequence at home is a plan of this layout: never worse
+        try:
+            home_plan = build_plan(problem, problem.bag_of_rank[problem.src_rank], solver="lpt")
+            candidates.append(home_plan)
+            ceiling = min(ceiling, home_plan.makespan)
+        except ValueError:  # home breaks the memory cap
+            pass
     for start in starts:
         polished = relabel_for_locality(problem, local_search(problem, start, stop_at=stop_at, max_iters=iters))
         try:
@@ -231,4 +238,11 @@ def solve_lpt(problem: PlanProblem, *, time_budget_s: float | None = None) -> Pl
             candidates.append(build_plan(problem, relabel_for_locality(problem, exact), solver="lpt"))
             best = min(candidates, key=lambda p: p.makespan)
     tied = [p for p in candidates if p.makespan <= min(best.makespan * (1 + tol), ceiling)]
-    return stamp(min(tied, key=lambda p: (p.tokens_moved, p.makespan)), t0)
+    chosen = min(tied, key=lambda p: (p.tokens_moved, p.makespan))
+    # moves that do not lower the makespan should cost no exchange: bring what can come home
+    homed = settle_home(problem, chosen.seq_group)
+    if (homed != chosen.seq_group).any():
+        plan = build_plan(problem, homed, solver="lpt")
+        if plan.makespan <= min(chosen.makespan * (1 + tol), ceiling) and plan.tokens_moved < chosen.tokens_moved:
+            chosen = plan
+    return stamp(chosen, t0)

@@ -41,7 +41,7 @@ from knapformer.plan.plan import Plan, build_plan
 from knapformer.plan.problem import PlanProblem
 from knapformer.plan.solvers.common import stamp
 from knapformer.plan.solvers.lpt import lpt_fill, solve_lpt
-from knapformer.plan.solvers.refine import local_search
+from knapformer.plan.solvers.refine import local_search, settle_home
 
 __all__ = ["CANDIDATES_PER_SECOND", "fixed_layouts", "layout_menu", "solve_moldable"]
 
@@ -137,10 +137,16 @@ def _candidate(problem: PlanProblem, D, cost: np.ndarray, target: float) -> Plan
         stop_at=max(problem.lower_bound, float(load.sum() / speed.sum())) * (1 + gap),  # balance beats no mean
         max_iters=iters,
     )
-    try:
-        return build_plan(problem, seq_group, solver="moldable", groups=groups)
-    except ValueError:
-        return None
+    homed = settle_home(problem, seq_group, movable=movable, base_load=base_load, base_tok=base_tok)
+    plans = []
+    for assignment in (homed, seq_group) if (homed != seq_group).any() else (seq_group,):
+        try:
+            plans.append(build_plan(problem, assignment, solver="moldable", groups=groups))
+        except ValueError:
+            continue
+        if plans[0].makespan <= plans[-1].makespan * (1 + problem.options.tie_tolerance):
+            break  # the homed plan is as fast: no need for the other
+    return min(plans, key=lambda p: p.makespan) if plans else None
 
 
 def layout_menu(S: int, sizes) -> list[str]:
@@ -243,6 +249,10 @@ def solve_moldable(problem: PlanProblem, *, time_budget_s: float | None = None) 
         fixed += menu[: max(0, extra - (n_alpha - 1))]
     candidates = [p for a in ALPHAS[:n_alpha] if (p := _candidate(problem, D, cost, lb * a)) is not None]
     candidates += _fixed_candidates(problem, fixed)
+    try:  # every sequence whole at home (nothing moves): auto is never predicted slower than that
+        candidates.append(build_plan(problem, np.arange(problem.num_ranks)[problem.src_rank], solver="moldable"))
+    except ValueError:  # home breaks the memory cap
+        pass
     if not candidates:
         raise ValueError(
             f"no plan found under max_tokens_per_rank={problem.max_tokens_per_rank} with groups of sizes {list(D)}"

@@ -19,7 +19,7 @@ import numpy as np
 from knapformer.plan.problem import PlanProblem, sum_by
 from knapformer.plan.solvers.common import fits_cap
 
-__all__ = ["local_search", "relabel_for_locality"]
+__all__ = ["home_among_equals", "local_search", "relabel_for_locality", "return_home", "settle_home"]
 
 _EPS = 1e-12
 _SWAP_BAGS_PER_CLASS = 4  # swap partners come from this many least loaded bags per class
@@ -225,3 +225,81 @@ def relabel_for_locality(problem: PlanProblem, seq_bag: np.ndarray) -> np.ndarra
         for j in np.flatnonzero((cls_id == cid) & (perm < 0)).tolist():
             perm[j] = free.pop(0)
     return perm[seq_bag]
+
+
+def return_home(
+    problem: PlanProblem,
+    seq_bag: np.ndarray,
+    *,
+    movable: np.ndarray | None = None,
+    base_load: np.ndarray | None = None,
+    base_tok: np.ndarray | None = None,
+) -> np.ndarray:
+    """Move sequences that left their home bag back, largest first, whenever the home bag's
+    fluid time stays at or below the current makespan (a copy is returned): the same makespan,
+    fewer tokens moved — a move that does not lower the makespan should not cost an exchange.
+    ``movable``/``base_*`` as in :func:`local_search`."""
+    seq_bag = seq_bag.copy()
+    B, n = len(problem.bags), problem.num_seqs
+    if n == 0:
+        return seq_bag
+    w, L = problem.work, problem.lengths
+    kap, k, cap = problem.bag_capacity, problem.bag_size, problem.max_tokens_per_rank
+    home = problem.bag_of_rank[problem.src_rank]
+    ids = np.arange(n) if movable is None else np.flatnonzero(movable)
+    load = sum_by(seq_bag[ids], w[ids], B) + (0.0 if base_load is None else base_load)
+    tok = sum_by(seq_bag[ids], L[ids], B).astype(np.int64) + (0 if base_tok is None else base_tok)
+    ceiling = float((load / kap).max()) * (1 + _EPS)
+    away = ids[seq_bag[ids] != home[ids]]
+    for g in away[np.argsort(-L[away], kind="stable")].tolist():
+        h, b = int(home[g]), int(seq_bag[g])
+        if (load[h] + w[g]) / kap[h] > ceiling or not fits_cap(tok[h] + L[g], k[h], cap):
+            continue
+        load[h] += w[g]
+        load[b] -= w[g]
+        tok[h] += L[g]
+        tok[b] -= L[g]
+        seq_bag[g] = h
+    return seq_bag
+
+
+def home_among_equals(problem: PlanProblem, seq_bag: np.ndarray, *, movable: np.ndarray | None = None) -> np.ndarray:
+    """Sequences of the same length are interchangeable (same work, same tokens): within each
+    such class the bags keep their slots, but each bag's slots go first to sequences whose home
+    it is. Every bag's load is unchanged; fewer tokens move (a copy is returned)."""
+    seq_bag = seq_bag.copy()
+    ids = np.arange(problem.num_seqs) if movable is None else np.flatnonzero(movable)
+    if ids.size < 2:
+        return seq_bag
+    home = problem.bag_of_rank[problem.src_rank]
+    L = problem.lengths[ids]
+    lens, counts = np.unique(L, return_counts=True)
+    B = len(problem.bags)
+    for length in lens[counts > 1].tolist():
+        cls = ids[L == length]  # ascending ids: a stable order
+        slots, homes = seq_bag[cls], home[cls]
+        if (slots == homes).all():
+            continue
+        n_slot = np.bincount(slots, minlength=B)
+        keep = np.minimum(n_slot, np.bincount(homes, minlength=B))
+        order = np.argsort(homes, kind="stable")
+        first = np.searchsorted(homes[order], homes[order], side="left")
+        stays = np.zeros(cls.size, dtype=bool)
+        stays[order] = (np.arange(cls.size) - first) < keep[homes[order]]
+        new = np.where(stays, homes, -1)
+        new[~stays] = np.repeat(np.arange(B), n_slot - keep)  # the other slots, in bag order
+        seq_bag[cls] = new
+    return seq_bag
+
+
+def settle_home(problem: PlanProblem, seq_bag: np.ndarray, **base) -> np.ndarray:
+    """:func:`return_home` and :func:`home_among_equals` until neither moves anything (each can
+    open a way for the other; a few rounds at most). ``base``: ``movable``, ``base_load``,
+    ``base_tok`` as in :func:`local_search`."""
+    movable = base.get("movable")
+    for _ in range(4):
+        new = home_among_equals(problem, return_home(problem, seq_bag, **base), movable=movable)
+        if (new == seq_bag).all():
+            break
+        seq_bag = new
+    return seq_bag

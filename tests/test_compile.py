@@ -1,0 +1,51 @@
+"""torch.compile as a supported path, on 2 gloo ranks (aot_eager backend: Dynamo and
+AOTAutograd run the custom operators' fake and autograd kernels; the inductor backend is timed in
+benchmarks/compile_speed.py)."""
+
+from knapformer.testing import run_distributed
+from tests import compile_workers as W
+
+
+def test_a_block_calling_attention_compiles_fullgraph_dynamic_without_recompiles():
+    res = run_distributed(W.compiled_block, 2, timeout=300)
+    for r in res:
+        assert r["out_err"] == 0.0 and r["grad_err"] == 0.0, r
+        assert r["frames"][0] >= 1 and r["frames"][-1] == r["frames"][0], f"recompiled: {r['frames']}"
+
+
+def test_a_block_with_cross_attention_compiles_fullgraph_dynamic_without_recompiles():
+    res = run_distributed(W.compiled_cross_block, 2, timeout=300)
+    for r in res:
+        assert r["out_err"] == 0.0 and r["grad_err"] == 0.0, r
+        assert r["frames"][-1] == r["frames"][0], f"recompiled: {r['frames']}"
+
+
+def test_a_whole_model_breaks_only_at_route_and_reverse():
+    res = run_distributed(W.compiled_model, 2, timeout=300)
+    for r in res:
+        assert r["out_err"] == 0.0 and r["grad_err"] == 0.0, r
+        assert len(r["reasons"]) == 2, r["reasons"]
+        assert "SequenceBalancer.route " in r["reasons"][0] and "SequenceBalancer.reverse_route " in r["reasons"][1]
+
+
+def test_the_opaque_operator_keeps_no_graph_without_gradients():
+    """Inference (no_grad) through the operator: nothing is kept for a backward."""
+    import torch
+
+    from knapformer.executor import LocalExecutor, opaque
+
+    ex = LocalExecutor([3, 5])
+    q = torch.randn(8, 2, 4)
+
+    @torch.compile(fullgraph=True, dynamic=True, backend="aot_eager")
+    def f(q, ex):
+        return ex.attention(q, q, q)
+
+    with torch.no_grad():
+        f(q, ex)
+    assert len(opaque._GRAPHS) == 0
+    qg = q.clone().requires_grad_()
+    f(qg, ex).sum().backward()
+    assert len(opaque._GRAPHS) == 0 and qg.grad is not None
+    want = torch.autograd.grad(ex.attention(q.requires_grad_(), q, q).sum(), q)[0]
+    assert torch.allclose(qg.grad, want, atol=1e-6)
