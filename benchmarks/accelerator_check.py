@@ -19,7 +19,12 @@ Parts:
 4. ``knapformer cluster`` for paper-mixres and paper-joint at 32 and 1,024 GPUs from that
    profile, next to the paper's 32-H100 g8n4 figures (8.05 s -> 3.44 s);
 5. ``knapformer simulate`` with 8 gloo CPU ranks, one core each (wall clock meaningful), on an
-   8-rank mix with paper-mixres's proportions, with and without balancing.
+   8-rank mix with paper-mixres's proportions, with and without balancing;
+6. ring attention's block math on the device: a sequence cut into r contiguous blocks
+   (r = 2, 4; causal and not; GQA), each block pair run and merged by log-sum-exp as a ring
+   rank would, forward and backward against whole-sequence attention (fp64 exact, bf16
+   close), and the blocks' time next to SDPA on the whole sequence (what the tiled GPU
+   fallback costs; CPU ranks use PyTorch's fused kernel instead).
 """
 
 from __future__ import annotations
@@ -368,6 +373,87 @@ def part_simulate(smoke: bool) -> dict:
 
 
 # -- driver -------------------------------------------------------------------------------------------
+# -- part 6 -------------------------------------------------------------------------------------------
+def _ring_by_blocks(q, k, v, do, r: int, causal: bool):
+    """Output and (dq, dk, dv) of whole-sequence attention computed as r ring ranks would:
+    each query block against every key/value block (merged by log-sum-exp), then the
+    backward of each pair from the final log-sum-exp."""
+    from knapformer.attention import blockwise as B
+
+    L, h = q.shape[0], q.shape[1]
+    cuts = [L * i // r for i in range(r + 1)]
+    pos = [torch.arange(cuts[i], cuts[i + 1], device=q.device) for i in range(r)]
+    dt = B.compute_dtype(q)
+    outs, dq = [], torch.zeros(q.shape, dtype=dt, device=q.device)
+    dk = torch.zeros(k.shape, dtype=dt, device=q.device)
+    dv = torch.zeros(v.shape, dtype=dt, device=q.device)
+    for qp in pos:
+        o = torch.zeros(len(qp), h, v.shape[2], dtype=dt, device=q.device)
+        lse = torch.full((h, len(qp)), float("-inf"), dtype=dt, device=q.device)
+        for kp in pos:
+            if causal and kp[0] > qp[-1]:
+                continue  # a later block: nothing to see
+            ob, lb = B.block_forward(q[qp], k[kp], v[kp], qp, kp, causal=causal)
+            o, lse = B.merge(o, lse, ob, lb)
+        delta = (do[qp].to(dt) * o).sum(-1).transpose(0, 1)
+        for kp in pos:
+            if causal and kp[0] > qp[-1]:
+                continue
+            a, b, c = B.block_backward(
+                q[qp], k[kp], v[kp], do[qp], lse, delta, qp, kp, causal=causal, keep_precision=True
+            )
+            dq[qp] += a
+            dk[kp] += b
+            dv[kp] += c
+        outs.append(o)
+    return torch.cat(outs), (dq, dk, dv)
+
+
+def part_ring(smoke: bool) -> dict:
+    from knapformer.testing import reference_attention
+
+    device = torch.device("cpu") if smoke else _cuda()
+    g = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    worst = {"fp64": 0.0, "bf16": 0.0}
+    for dtype, L in ((torch.float64, 300 if smoke else 2048), (torch.bfloat16, 256 if smoke else 4096)):
+        for r in (2, 4):
+            for causal in (False, True):
+                for h, hk in ((4, 4), (4, 2)):
+                    q = torch.randn(L, h, 64, device=device, dtype=dtype, generator=g, requires_grad=True)
+                    k = torch.randn(L, hk, 64, device=device, dtype=dtype, generator=g, requires_grad=True)
+                    v = torch.randn(L, hk, 64, device=device, dtype=dtype, generator=g, requires_grad=True)
+                    ref = reference_attention(q.double(), k.double(), v.double(), [L], causal=causal)
+                    do = torch.randn(ref.shape, device=device, dtype=dtype, generator=g)
+                    grads = torch.autograd.grad(ref, (q, k, v), do.double())
+                    o, mine = _ring_by_blocks(q.detach(), k.detach(), v.detach(), do, r, causal)
+                    scale = max(float(ref.detach().abs().max()), 1e-30)
+                    err = float((o.double() - ref.detach()).abs().max()) / scale
+                    for a, b in zip(mine, grads):
+                        err = max(err, float((a.double() - b.double()).abs().max()) / max(float(b.abs().max()), 1e-30))
+                    key = "fp64" if dtype == torch.float64 else "bf16"
+                    worst[key] = max(worst[key], err)
+                    rows.append({"dtype": key, "L": L, "r": r, "causal": causal, "heads": f"{h}/{hk}", "rel_err": err})
+    timing = {}
+    if not smoke:
+        import torch.nn.functional as F
+
+        for L in (8192, 32768):
+            q, k, v = (torch.randn(L, 24, 128, device=device, dtype=torch.bfloat16, generator=g) for _ in range(3))
+            do = torch.randn_like(q)
+            whole = _time(
+                lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
+                    q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+                ),
+                5,
+                device,
+            )
+            blocks = _time(lambda q=q, k=k, v=v, do=do: _ring_by_blocks(q, k, v, do, 4, False), 3, device)
+            timing[str(L)] = {"sdpa_forward_s": whole, "ring_blocks_forward_backward_s": blocks}
+    ok = worst["fp64"] <= 1e-9 and worst["bf16"] <= 5e-2
+    return {"status": "ok" if ok else "failed", "worst_rel_err": worst, "rows": rows, "timing": timing}
+
+
 def _run(name: str, fn, results: dict) -> None:
     t = time.perf_counter()
     try:
@@ -388,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, CUDA parts skipped (CI)")
     p.add_argument("--out", default=None, help="output folder (default runs/accelerator[/smoke])")
-    p.add_argument("--parts", default="1,2,3,4,5", help="comma-separated part numbers to run")
+    p.add_argument("--parts", default="1,2,3,4,5,6", help="comma-separated part numbers to run")
     args = p.parse_args(argv)
     out_dir = Path(args.out) if args.out else ROOT / "runs" / "accelerator" / ("smoke" if args.smoke else "")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -406,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
         _run("4 cluster from the profile", lambda: part_cluster(smoke, prof), results)
     if 5 in parts:
         _run("5 simulate on dedicated cores", lambda: part_simulate(smoke), results)
+    if 6 in parts:
+        _run("6 ring block math", lambda: part_ring(smoke), results)
     meta = {
         "smoke": smoke,
         "torch": torch.__version__,
@@ -435,6 +523,15 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(
             f"    simulate {sim['ranks']} ranks: speedup {sim['speedup']:.3f}x of ideal {sim['ideal_speedup']:.3f}x"
         )
+    ring = results.get("6 ring block math", {})
+    if ring.get("status") in ("ok", "failed") and "worst_rel_err" in ring:
+        w = ring["worst_rel_err"]
+        lines.append(f"    ring blocks: worst relative error fp64 {w['fp64']:.1e}, bf16 {w['bf16']:.1e}")
+        for L, t in ring.get("timing", {}).items():
+            lines.append(
+                f"    ring blocks L={L}: 4 blocks fwd+bwd {t['ring_blocks_forward_backward_s'] * 1e3:.1f} ms"
+                f" vs SDPA forward {t['sdpa_forward_s'] * 1e3:.1f} ms"
+            )
     text = "\n".join(lines)
     (out_dir / "check.txt").write_text(text + "\n")
     print(text)

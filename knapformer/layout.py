@@ -20,7 +20,7 @@ from dataclasses import dataclass
 __all__ = ["AutoLayout", "BagLayout", "Layout", "parse_layout"]
 
 _TERM = re.compile(r"^g(\d+)n(\d+)$")
-_AUTO = re.compile(r"^auto((?::(?:n|max)\d+)*)$")
+_AUTO = re.compile(r"^auto((?::(?:(?:n|max)\d+|noring))*)$")
 
 
 @dataclass(frozen=True)
@@ -98,13 +98,20 @@ class AutoLayout:
     """Ranks of one balancing group; None = the whole world (resolved when the balancer is
     built, or from the number of per-rank length lists when planning)."""
     max_degree: int | None = None
-    """Largest group a sequence may run on; None = as the head count and the node allow."""
+    """Largest group a sequence may run on; None = as many ranks as the group (and the node
+    rules of a link model) allow."""
+    ring: bool = True
+    """Groups the heads cannot split run as rings of Ulysses sub-groups (any size k). False:
+    only sizes the heads split (at most the head count) — for ``pre_attn``/``post_attn``
+    custom kernels, which cannot run a ring."""
 
     def __post_init__(self) -> None:
         for name in ("num_ranks", "max_degree"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"auto layout: {name} must be an int >= 1, got {v!r}")
+        if not isinstance(self.ring, bool):
+            raise ValueError(f"auto layout: ring must be a bool, got {self.ring!r}")
 
     @property
     def group_size(self) -> int:
@@ -116,7 +123,7 @@ class AutoLayout:
         """This layout for a group of ``num_ranks`` ranks (unchanged if it names its size)."""
         if self.num_ranks is not None:
             return self
-        return AutoLayout(num_ranks=num_ranks, max_degree=self.max_degree)
+        return AutoLayout(num_ranks=num_ranks, max_degree=self.max_degree, ring=self.ring)
 
     def num_replicas(self, world_size: int) -> int:
         size = self.num_ranks or world_size
@@ -136,6 +143,8 @@ class AutoLayout:
             parts.append(f"n{self.num_ranks}")
         if self.max_degree is not None:
             parts.append(f"max{self.max_degree}")
+        if not self.ring:
+            parts.append("noring")
         return ":".join(parts)
 
     def __str__(self) -> str:
@@ -146,7 +155,8 @@ Layout = BagLayout | AutoLayout
 
 
 def parse_layout(spec: str | BagLayout | AutoLayout) -> BagLayout | AutoLayout:
-    """Parse ``"g1n4 + g2n2"`` or ``"auto"``/``"auto:max8"``/``"auto:n16"``; errors name the term."""
+    """Parse ``"g1n4 + g2n2"`` or ``"auto"``/``"auto:max8"``/``"auto:n16"``/``"auto:noring"``
+    (options joined by ``:``); errors name the term."""
     if isinstance(spec, (BagLayout, AutoLayout)):
         return spec
     if not isinstance(spec, str):
@@ -155,14 +165,21 @@ def parse_layout(spec: str | BagLayout | AutoLayout) -> BagLayout | AutoLayout:
     m = _AUTO.match(text)
     if m:
         opts = {"n": None, "max": None}
+        ring = True
         for part in filter(None, m.group(1).split(":")):
+            if part == "noring":
+                ring = False
+                continue
             key = "max" if part.startswith("max") else "n"
             if opts[key] is not None:
                 raise ValueError(f"layout {spec!r} gives {key} twice")
             opts[key] = int(part[len(key) :])
-        return AutoLayout(num_ranks=opts["n"], max_degree=opts["max"])
+        return AutoLayout(num_ranks=opts["n"], max_degree=opts["max"], ring=ring)
     if text.startswith("auto"):
-        raise ValueError(f"malformed auto layout {spec!r}; expected auto, auto:max<K>, auto:n<S> or auto:n<S>:max<K>")
+        raise ValueError(
+            f"malformed auto layout {spec!r}; expected auto, auto:max<K>, auto:n<S>, auto:noring or those "
+            "joined by ':' (auto:n<S>:max<K>:noring)"
+        )
     return _parse_bags(spec, text)
 
 

@@ -76,8 +76,10 @@ PRESETS: dict[str, MMDiTConfig | TransformerConfig] = {
     "mmdit-small": MMDiTConfig(in_dim=32, vec_dim=32, dim=128, num_heads=4, num_double=2, num_single=4, out_dim=32),
     "flux": MMDiTConfig(in_dim=64, vec_dim=768, dim=3072, num_heads=24, num_double=19, num_single=38, out_dim=64),
     "transformer-tiny": TransformerConfig(in_dim=16, dim=64, num_heads=4, num_layers=2, out_dim=16),
+    "mmdit-2head": MMDiTConfig(in_dim=16, vec_dim=16, dim=64, num_heads=2, num_double=2, num_single=2, out_dim=16),
 }
-"""Named sizes: ``*-tiny``/``mmdit-small`` run on CPU in seconds; ``flux`` is the Flux.1 size."""
+"""Named sizes: ``*-tiny``/``mmdit-small``/``mmdit-2head`` run on CPU in seconds; ``flux`` is the
+Flux.1 size. ``mmdit-2head`` has two heads, so a group of more than 2 ranks runs as a ring."""
 
 
 def preset(name: str) -> MMDiTConfig | TransformerConfig:

@@ -74,14 +74,17 @@ def check_overlapping_groups(rank: int, world: int, heads: int, kv_heads: int, s
     return seen
 
 
-def check_auto_balancer(rank: int, world: int, heads: int, steps: int, seed: int, priced: bool = True) -> dict:
+def check_auto_balancer(
+    rank: int, world: int, heads: int, steps: int, seed: int, priced: bool = True, layout: str = "auto"
+) -> dict:
     """Layout ``auto`` planned inside the balancer (communication priced unless ``priced`` is
-    False, which lets small groups use sizes that do not divide them): the same exactness."""
+    False, which lets small groups use sizes that do not divide them): the same exactness (the
+    custom-kernel path too, on plans without rings)."""
     from knapformer.plan.cost import LinkModel
 
     model = WorkloadModel(d_model=heads * 4, num_heads=heads)
     link = LinkModel(intra_bw=1e9, inter_bw=1e9, gpus_per_node=world, units_per_second=1e9) if priced else None
-    bal = SequenceBalancer("auto", model, link=link)
+    bal = SequenceBalancer(layout, model, link=link)
     seen = {"mixed_rank": False, "idle_rank": False, "partition": [], "sizes": set()}
     for step in range(steps):
         rng = np.random.default_rng(seed + step)
@@ -93,12 +96,14 @@ def check_auto_balancer(rank: int, world: int, heads: int, steps: int, seed: int
         plan = bal.plan(lens[rank])
         seen["partition"].append(plan.is_partition)
         seen["sizes"] |= set(plan.group_sizes().tolist())
-        _check_step(bal, plan, rank, heads, heads, seed + step, seen)
+        seen.setdefault("rings", set()).update(r for r in plan.rings if r > 1)
+        _check_step(bal, plan, rank, heads, heads, seed + step, seen, custom_kernel=plan.ring is None)
     return seen
 
 
-def _check_step(bal, plan, rank, heads, kv_heads, seed, seen) -> None:
+def _check_step(bal, plan, rank, heads, kv_heads, seed, seen, custom_kernel: bool = True, dv_extra: int = 2) -> None:
     D = 4
+    DV = D + dv_extra  # value head dim (Dv == D takes fused kernels where they need it)
     step = seed
     lens = [n for r in plan.seq_lens for n in r]
     total, mine = sum(lens), _mine(plan, rank)
@@ -116,7 +121,7 @@ def _check_step(bal, plan, rank, heads, kv_heads, seed, seen) -> None:
     # -- attention
     q = torch.randn(total, heads, D, generator=g, dtype=torch.float64)
     k = torch.randn(total, kv_heads, D, generator=g, dtype=torch.float64)
-    v = torch.randn(total, kv_heads, D + 2, generator=g, dtype=torch.float64)
+    v = torch.randn(total, kv_heads, DV, generator=g, dtype=torch.float64)
     for causal in (False, True):
         ref = reference_attention(q, k, v, lens, causal=causal)[mine]
         out = bal.reverse_route(bal.attention(*bal.route(q[mine], k[mine], v[mine]), causal=causal))
@@ -124,24 +129,25 @@ def _check_step(bal, plan, rank, heads, kv_heads, seed, seen) -> None:
     # -- the custom-kernel path: pre_attn -> one varlen call -> post_attn
     from knapformer.attention import varlen_attention
 
-    q2, k2, v2, cu, mx = bal.pre_attn(*bal.route(q[mine], k[mine], v[mine]))
-    out = bal.reverse_route(bal.post_attn(varlen_attention(q2, k2, v2, cu, mx)))
-    _close(out, reference_attention(q, k, v, lens)[mine], f"step {step} pre_attn/post_attn", 1e-10)
+    if custom_kernel:
+        q2, k2, v2, cu, mx = bal.pre_attn(*bal.route(q[mine], k[mine], v[mine]))
+        out = bal.reverse_route(bal.post_attn(varlen_attention(q2, k2, v2, cu, mx)))
+        _close(out, reference_attention(q, k, v, lens)[mine], f"step {step} pre_attn/post_attn", 1e-10)
     # -- gradients through qkv projection, attention, output projection
     F = 6
     x = torch.randn(total, F, generator=g, dtype=torch.float64)
     wq = torch.randn(F, heads * D, generator=g, dtype=torch.float64)
     wk = torch.randn(F, kv_heads * D, generator=g, dtype=torch.float64)
-    wv = torch.randn(F, kv_heads * (D + 2), generator=g, dtype=torch.float64)
-    wo = torch.randn(heads * (D + 2), F, generator=g, dtype=torch.float64)
+    wv = torch.randn(F, kv_heads * DV, generator=g, dtype=torch.float64)
+    wo = torch.randn(heads * DV, F, generator=g, dtype=torch.float64)
     target = torch.randn(total, F, generator=g, dtype=torch.float64)
 
     def layer(xs, ws, attend):
         n = xs.shape[0]
         qq = (xs @ ws[0]).view(n, heads, D)
         kk = (xs @ ws[1]).view(n, kv_heads, D)
-        vv = (xs @ ws[2]).view(n, kv_heads, D + 2)
-        return attend(qq, kk, vv).reshape(n, heads * (D + 2)) @ ws[3]
+        vv = (xs @ ws[2]).view(n, kv_heads, DV)
+        return attend(qq, kk, vv).reshape(n, heads * DV) @ ws[3]
 
     ref_x = x.clone().requires_grad_()
     ref_w = [w.clone().requires_grad_() for w in (wq, wk, wv, wo)]

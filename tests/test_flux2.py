@@ -129,4 +129,6 @@ def test_simulator_and_calibrator_run_the_preset(tmp_path):
         repeats=1,
         progress=False,
     )
-    assert set(report["blocks"]) == {"double", "single"} and profile.linear_coef > 0
+    # a fit from one repeat of tiny blocks: either term may come out 0 on a busy machine
+    assert set(report["blocks"]) == {"double", "single"} and profile.linear_coef >= 0
+    assert profile.linear_coef + profile.quadratic > 0

@@ -162,3 +162,28 @@ def test_a_bad_model_factory_is_a_clear_error():
         resolve_model("tests.custom_family:TinyDiT")
     with pytest.raises(ValueError, match="unknown model preset 'diffusers-flux-huge'"):
         resolve_model("diffusers-flux-huge")
+
+
+def test_auto_runs_a_long_sequence_as_a_ring_with_two_heads():
+    """``simulate --ranks 4 --bags auto`` with a 2-head model and one sequence much longer than
+    the rest: the planner puts it on all 4 ranks as a ring of 2 Ulysses pairs, the step is
+    balanced, and the losses equal the unbalanced run's."""
+    cfg = SimConfig(
+        ranks=4,
+        model="mmdit-2head",
+        mix="g3b4i128f1s0,g1b1i512f4s0",  # 4 × 64 tokens per rank vs one 4,096-token video
+        scale=1,
+        bags="auto",
+        steps=1,
+        warmup=0,
+        peak_tflops=0.01,
+        progress=False,
+    )
+    rep = simulate(cfg)
+    assert rep["loss_match"], rep["loss_max_rel_diff"]
+    plan = rep["first_plan"]
+    rings = [(len(plan["groups"][g]), plan["ring"][g]) for g in set(plan["seq_group"]) if plan["ring"]]
+    assert (4, 2) in rings, rings
+    b = rep["modes"]["balanced"]
+    assert b["predicted_imbalance_after"] < 0.1 < b["predicted_imbalance_before"]
+    assert "ring 2 × Ulysses 2" in format_report(rep)

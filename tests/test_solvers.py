@@ -222,20 +222,29 @@ def test_paper_solver_refuses_to_break_the_cap():
 
 @pytest.mark.parametrize("S", [3, 5, 6, 7])
 def test_auto_splits_over_sizes_that_do_not_divide_a_small_group(S):
-    """With 8 heads, 3/5/6/7 ranks have few sizes that divide both the heads and the group; a
-    long sequence still goes to a group of 2 or 4 consecutive ranks (no link model), and the
-    plan beats every rank running its own sequences by far. With a link model (nodes), sizes
-    stay aligned."""
+    """With 8 heads, 3/5/6/7 ranks have few sizes that divide both the heads and the group;
+    without rings (``auto:noring``, for custom kernels) a long sequence still goes to a group
+    of 2 or 4 consecutive ranks (no link model), and the plan beats every rank running its own
+    sequences by far; with rings it may take sizes the heads cannot split, as a ring of
+    sub-groups that split them, and is no slower. With a link model (nodes), sizes stay aligned."""
     from knapformer.plan.cost import LinkModel
 
     model = WorkloadModel(d_model=64, num_heads=8)
     lens = [[4000, 20]] + [[30, 10] for _ in range(S - 1)]
-    auto = plan_sequences(lens, "auto", model)
+    auto = plan_sequences(lens, "auto:noring", model)
     auto.validate()
     alone = plan_sequences(lens, f"g1n{S}", model)
     sizes = set(auto.group_sizes().tolist())
     assert sizes & {2, 4} and all(8 % k == 0 for k in sizes), sizes
+    assert auto.ring is None
     assert auto.makespan <= 0.55 * alone.makespan, (auto.makespan, alone.makespan)
+    ringed = plan_sequences(lens, "auto", model)
+    ringed.validate()
+    assert ringed.makespan <= auto.makespan * (1 + 1e-9)
+    for g, r in zip(ringed.groups, ringed.rings):
+        assert len(g) % r == 0 and 8 % (len(g) // r) == 0, (g, r)
+    for g in ringed.groups:  # consecutive ranks
+        assert list(g) == list(range(min(g), min(g) + len(g))), g
     for g in auto.groups:  # consecutive ranks
         assert list(g) == list(range(min(g), min(g) + len(g))), g
     link = LinkModel(intra_bw=1e9, inter_bw=1e9, gpus_per_node=S, units_per_second=1e9)

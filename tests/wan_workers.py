@@ -86,9 +86,10 @@ CASES = {
     "g1n2-per-token-and-scalar": ("g1n2", [[(2, 4, 4, 3)], [(1, 4, 2, 2)]], "none", {"per_token_ranks": (0,)}),
     "auto-scalar-and-per-token": ("auto", [[(4, 8, 8, 4)], [(1, 2, 2, 2)]], "none", {"per_token_ranks": (1,)}),
 }
-CASES_3_RANKS = {  # 2 heads, 3 ranks: auto runs a large video on 2 of the 3 (a size that does not divide 3)
+CASES_3_RANKS = {  # 2 heads, 3 ranks: a large video on 3 (a ring of pairs) or on 2 of the 3 (noring)
     "auto-3-ranks": ("auto", [[(4, 8, 8, 4)], [], [(1, 2, 2, 2), (1, 2, 4, 3)]], "none", {}),
     "auto-3-ranks-i2v": ("auto", [[(1, 2, 2, 0)], [(3, 8, 8, 0)], []], "none", {"i2v": True}),
+    "noring-3-ranks": ("auto:noring", [[(4, 8, 8, 4)], [], [(1, 2, 2, 2), (1, 2, 4, 3)]], "none", {}),
 }
 
 

@@ -81,6 +81,7 @@ class Hardware:
             exchange_passes=shape.passes - 1 if shape is not None else 2,
             copy_bw=self.copy_bw,
             units_per_second=units_per_second,
+            sync_jitter=self.sync_jitter,
         )
 
     @property

@@ -8,6 +8,10 @@
   ``d`` values per token; with their backward exchanges that is 4 all-to-alls per step.
 - **Ulysses**: in a k-rank group every attention layer sends (k−1)/k of q, k, v before
   attention and of the output (1 unit) after, in forward and again in backward (and recompute).
+- **Ring**: a group run as r sub-groups of u (Ulysses inside each, over its block of L/r
+  tokens) passes K/V blocks around the ring: r − 1 blocks per layer forward, the blocks and
+  their gradients backward, hidden behind the block attention they overlap with
+  (:func:`~knapformer.plan.cost.ring_exposed`); a causal model's sub-groups compute unevenly.
 - An all-to-all costs ``latency + max(sent, received) / bandwidth`` per link class (inside
   a node / across nodes), a rank's traffic to both classes adding up, plus the executor's
   local copies at the hardware's ``copy_bw`` (route/reverse: gather, pack, unpack, scatter =
@@ -17,8 +21,8 @@
   work) a k-rank bag loses ``j · E[max of k] / E[max of 2] · compute`` (normal noise).
 - With a calibrated profile, the per-call cost ``d`` of every block call (profile meta
   ``per_call_seconds``) is paid by every rank in every layer, balanced or not.
-- Step time = max over ranks of compute + communication (nothing overlapped; the gradient
-  all-reduce, the same with and without balancing, is left out).
+- Step time = max over ranks of compute + communication (nothing overlapped but the ring's
+  exchanges; the gradient all-reduce, the same with and without balancing, is left out).
 
 Pure numpy: no torch, no devices.
 """
@@ -26,15 +30,21 @@ Pure numpy: no torch, no devices.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from knapformer.cluster.hardware import Hardware
 from knapformer.plan import Plan, RankFeatures, SeqIndex, validate_seq_lens
-from knapformer.plan.cost import a2a_seconds, comm_features, route_seconds, ulysses_seconds
+from knapformer.plan.cost import (
+    a2a_seconds,
+    comm_features,
+    expected_max_normal,
+    jitter_factor,
+    ring_exposed,
+    route_seconds,
+    ulysses_seconds,
+)
 from knapformer.plan.plan import spread_over_groups
 from knapformer.plan.problem import sum_by
 from knapformer.workload import WorkloadModel, layer_flops, transformer_flops
@@ -104,10 +114,12 @@ class StepPrediction:
     fixed_s: float = 0.0
     """Per-step time outside the blocks, the same for every rank and layout (optimizer,
     FSDP/DDP parameter and gradient traffic)."""
+    ring_s: np.ndarray | float = 0.0
+    """(S,) ring exchange seconds per rank not hidden behind attention (all layers, passes)."""
 
     @property
     def rank_s(self) -> np.ndarray:
-        return self.compute_s + self.route_s + self.ulysses_s + self.sync_s + self.fixed_s
+        return self.compute_s + self.route_s + self.ulysses_s + self.ring_s + self.sync_s + self.fixed_s
 
     @property
     def step_s(self) -> float:
@@ -117,7 +129,8 @@ class StepPrediction:
     def comm_share(self) -> float:
         """Communication share of the critical rank's time."""
         r = int(np.argmax(self.rank_s))
-        return float((self.route_s[r] + self.ulysses_s[r]) / self.rank_s[r]) if self.rank_s[r] > 0 else 0.0
+        comm = self.route_s[r] + self.ulysses_s[r] + np.broadcast_to(self.ring_s, self.rank_s.shape)[r]
+        return float(comm / self.rank_s[r]) if self.rank_s[r] > 0 else 0.0
 
     @property
     def imbalance(self) -> float:
@@ -136,18 +149,6 @@ class StepPrediction:
             "comm_share": self.comm_share,
             "imbalance": self.imbalance,
         }
-
-
-@functools.cache
-def expected_max_normal(k: int) -> float:
-    """E[max of k independent standard normals] (0 for k = 1, 1/√π for k = 2)."""
-    if k <= 1:
-        return 0.0
-    x = np.linspace(-8.0, 8.0, 4001)
-    pdf = np.exp(-0.5 * x * x) / np.sqrt(2 * np.pi)
-    cdf = 0.5 * (1.0 + np.vectorize(math.erf)(x / math.sqrt(2.0)))
-    integrand = x * k * pdf * cdf ** (k - 1)
-    return float(np.sum(integrand) * (x[1] - x[0]))
 
 
 def _compute_seconds(f: RankFeatures, shape: ModelShape, hw: Hardware, profile: WorkloadModel | None):
@@ -186,9 +187,19 @@ def predict_step(
     compute = _compute_seconds(feats, shape, hw, profile) / _speeds(rank_speed, S)
     # -- exchanges: the planner's own cost function (knapformer.plan.cost)
     link = hw.link(shape)
-    comm = comm_features(plan.index, plan.groups, plan.seq_group, plan.chunks, shape.workload(), hw.gpus_per_node)
+    work = shape.workload()
+    comm = comm_features(plan.index, plan.groups, plan.seq_group, plan.chunks, work, hw.gpus_per_node, plan.ring)
     route = route_seconds(comm, link)
     ulysses = ulysses_seconds(comm, link) * shape.layers
+    # the ring hides behind the attention it overlaps with: that attention in seconds per layer
+    attn_per_layer = (
+        _compute_seconds(
+            dataclasses.replace(feats, tokens=np.zeros(S), seqs=np.zeros(S), attn=comm.ring_attn), shape, hw, profile
+        )
+        / _speeds(rank_speed, S)
+        / shape.layers
+    )
+    ring = _ring_seconds(comm, link, attn_per_layer) * shape.layers
     # -- sync jitter: every member of a multi-rank group waits for the slowest member at each
     # exchange; a rank pays for the largest group it is in
     sizes = np.fromiter((len(b) for b in plan.groups), dtype=np.int64, count=len(plan.groups))
@@ -196,15 +207,21 @@ def predict_step(
     for b in np.unique(plan.seq_group).tolist() if plan.seq_group.size else []:
         members = list(plan.groups[b])
         kmax[members] = np.maximum(kmax[members], sizes[b])
-    jitter = np.asarray([expected_max_normal(int(k)) for k in kmax]) / expected_max_normal(2)  # cached per k
-    sync = hw.sync_jitter * jitter * compute
+    sync = hw.sync_jitter * jitter_factor(kmax) * compute
     lens = plan.index.lengths
     flops = float(
         shape.passes
         * shape.layers
         * transformer_flops(lens, shape.dim, causal=shape.causal, kv_ratio=shape.kv_ratio).sum()
     )
-    return StepPrediction(compute, route, ulysses, sync, flops, int(lens.sum()), fixed_s)
+    return StepPrediction(compute, route, ulysses, sync, flops, int(lens.sum()), fixed_s, ring)
+
+
+def _ring_seconds(comm, link, attn_per_layer: np.ndarray) -> np.ndarray:
+    """Ring seconds per layer given each rank's ring attention in seconds per layer (all passes)."""
+    if comm.ring_rounds <= 1:
+        return np.zeros(comm.ring_kv.shape[1])
+    return ring_exposed(comm.ring_kv[0], comm.ring_kv[1], comm.ring_rounds, attn_per_layer, link)
 
 
 def _masked(f: RankFeatures, plan: Plan) -> RankFeatures:

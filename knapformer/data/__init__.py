@@ -1,7 +1,9 @@
-"""Synthetic data: data codes, the paper's mixes and per-rank batches.
+"""Data: the paper's mixes and synthetic batches from data codes, and a token-budget batch
+sampler with a packed collate for real datasets.
 
-Main API: :data:`MIXES`, :func:`sample_seq_lens`, :func:`sample_batches`, :func:`parse_codes`
-(numpy only); :func:`knapformer.data.batches.make_batch` builds torch tensors (imported on use).
+Main API: :data:`MIXES`, :func:`sample_seq_lens`, :func:`sample_batches`, :func:`parse_codes`,
+:class:`TokenBudgetBatchSampler` (numpy only); :class:`PackedCollate` and
+:func:`knapformer.data.batches.make_batch` build torch tensors (imported on use).
 """
 
 from knapformer.data.codes import (
@@ -13,5 +15,25 @@ from knapformer.data.codes import (
     sample_batches,
     sample_seq_lens,
 )
+from knapformer.data.sampler import TokenBudgetBatchSampler, pack_batches
 
-__all__ = ["MIXES", "DataCode", "mix_num_ranks", "parse_codes", "resolve_mix", "sample_batches", "sample_seq_lens"]
+__all__ = [
+    "MIXES",
+    "DataCode",
+    "PackedCollate",
+    "TokenBudgetBatchSampler",
+    "mix_num_ranks",
+    "pack_batches",
+    "parse_codes",
+    "resolve_mix",
+    "sample_batches",
+    "sample_seq_lens",
+]
+
+
+def __getattr__(name: str):
+    if name == "PackedCollate":  # needs torch; the rest of this package does not
+        from knapformer.data.collate import PackedCollate
+
+        return PackedCollate
+    raise AttributeError(f"module 'knapformer.data' has no attribute {name!r}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from knapformer.attention.varlen import varlen_attention
-from knapformer.distributed import cross, ulysses
+from knapformer.distributed import cross, ring, ulysses
 from knapformer.distributed.agree import describe
 from knapformer.distributed.checks import attention_problem
 from knapformer.errors import InvalidPlanError
@@ -28,7 +28,7 @@ class AttentionCalls:
     """Attention methods; the balancer provides ``_require_spec``, ``_checks``, ``group``,
     ``group_rank``, ``config``, ``_opaque`` and ``_call``."""
 
-    def _pre(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> ulysses.UlyssesCall:
+    def _pre(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, op: str = "pre_attn") -> ulysses.UlyssesCall:
         _, spec = self._require_spec()
         q, k, v = autocast_inputs(q, k, v)
         error = attention_problem(q, k, v, spec.num_routed, self.group_rank)
@@ -37,7 +37,7 @@ class AttentionCalls:
         # the shapes agree: a plan whose groups cannot split them fails the same way on every rank
         heads = ulysses.check_heads(q.shape[1], k.shape[1], spec)
         if heads:
-            raise InvalidPlanError(f"SequenceBalancer.pre_attn: the plan cannot run these heads: {heads}")
+            raise InvalidPlanError(f"SequenceBalancer.{op}: the plan cannot run these heads: {heads}")
         return ulysses.pre_attn_batches(q, k, v, spec, self.group)
 
     def _post(self, call: ulysses.UlyssesCall, outs: list, error: str = "") -> torch.Tensor:
@@ -57,6 +57,13 @@ class AttentionCalls:
         custom varlen kernel call; :meth:`post_attn` takes its output. A rank whose sequences
         all have one degree k (every bag layout) gets (A, h/k, ·) with its head slice; a rank
         mixing degrees gets (sequence, query head) pairs of one head each."""
+        _, spec = self._require_spec()
+        if spec.ring_rounds > 1:  # the plan is the same on every rank: so is this error
+            rings = [g for g, r in zip(spec.used_groups, spec.used_rings) if r > 1]
+            raise InvalidPlanError(
+                f"SequenceBalancer.pre_attn: this plan runs ring attention (groups {rings}), which a single "
+                "varlen kernel call cannot; use bal.attention (or a plan without rings)"
+            )
         call = self._pre(q, k, v)
         self._call = call
         return ulysses.flatten_pairs(call)
@@ -91,12 +98,19 @@ class AttentionCalls:
         return self._attention_eager(q, k, v, causal)
 
     def _attention_eager(self, q, k, v, causal: bool) -> torch.Tensor:
-        call = self._pre(q, k, v)
+        call = self._pre(q, k, v, "attention")
         backend = self.config.attn_backend
         outs = [
-            varlen_attention(b.q, b.k, b.v, b.cu_seqlens, b.max_len, causal=causal, backend=backend)
+            None
+            if b.ring is not None
+            else varlen_attention(b.q, b.k, b.v, b.cu_seqlens, b.max_len, causal=causal, backend=backend)
             for b in call.batches
         ]
+        _, spec = self._require_spec()
+        if spec.ring_rounds > 1:  # every rank joins the ring rounds, with ring batches or not
+            outs, call.anchor = ring.ring_attention(
+                call.batches, outs, call.anchor, spec.ring_rounds, spec.num_ranks, self.group, causal
+            )
         return self._post(call, outs)
 
     def cross_attention(

@@ -63,10 +63,39 @@ class GroupEntry:
     """Routed token range of this entry: rows ``lo:hi`` in routed order."""
     seq_lens: tuple[int, ...]
     """Lengths of the entry's sequences, in attention order."""
+    ring: int = 1
+    """Ring sub-groups r of the group (1: Ulysses over all members). With r > 1 the members
+    are r sub-groups of u = k/r consecutive members: Ulysses inside each, ring attention
+    across them."""
+    blocks: tuple[tuple[int, ...], ...] = ()
+    """With a ring: per sub-group, its block of each sequence (tokens, attention order) — the
+    sub-group's members' chunks together, contiguous in the sequence."""
 
     @property
     def degree(self) -> int:
         return len(self.members)
+
+    @property
+    def u(self) -> int:
+        """The Ulysses size: members that split the heads of one block."""
+        return len(self.members) // self.ring
+
+    @property
+    def ring_pos(self) -> int:
+        """This rank's sub-group (its block of each sequence)."""
+        return self.position // self.u
+
+    @property
+    def sub(self) -> tuple[int, ...]:
+        """The members of this rank's sub-group (its Ulysses partners; all members without a ring)."""
+        s, u = self.ring_pos, self.u
+        return self.members[s * u : (s + 1) * u]
+
+    @property
+    def ring_peers(self) -> tuple[int, ...]:
+        """Per sub-group: its member with this rank's heads (the ring this rank passes K/V around)."""
+        u, t = self.u, self.position % self.u
+        return tuple(self.members[s * u + t] for s in range(self.ring))
 
 
 @dataclass(frozen=True)
@@ -116,13 +145,18 @@ class RouteSpec:
     used_groups: tuple[tuple[int, ...], ...]
     """Every group of the plan that holds sequences, in the global group order (the heads are
     checked against them)."""
+    used_rings: tuple[int, ...]
+    """Their ring sub-groups r (1: Ulysses alone)."""
+    ring_rounds: int
+    """The largest r of the plan (1: no ring): every rank joins that many ring exchanges."""
     has_ulysses: bool
     """Some group of the plan has several members: every rank joins the pre/post exchanges."""
     routes: bool
     """Some token changes rank or some group has several members (the same on every rank): else
     every rank's routed order is its local order and route/reverse move nothing (identities)."""
     peer_tokens: dict[tuple[int, int], int] = field(repr=False)
-    """(peer, entry index) -> tokens of that entry routed to that peer."""
+    """(peer, entry index) -> tokens of that entry routed to that peer (peers of this rank's
+    sub-group)."""
     chunk_info: ChunkInfo = field(repr=False)
     cache: dict = field(default_factory=dict, repr=False)
     """Layouts derived from this spec (per head configuration), built once per plan."""
@@ -147,6 +181,19 @@ class RouteSpec:
             d["local_cu_seqlens"] = torch.cumsum(lens, 0).to(torch.int32).to(device)
             self._device_cache[key] = d
         return self._device_cache[key]
+
+
+def _ring_blocks(ch, gid, grp, g: int, members, seqs: np.ndarray, r: int) -> tuple[tuple[int, ...], ...]:
+    """Per sub-group of group ``g`` (r of them, consecutive members): its tokens of each of
+    ``seqs`` — the block it holds, since chunk i of a sequence sits on member i."""
+    sel = np.flatnonzero(grp == g)
+    u = len(members) // r
+    member_of = {m: i for i, m in enumerate(members)}
+    sub = np.fromiter((member_of[int(d)] // u for d in ch[sel, DST]), dtype=np.int64, count=sel.size)
+    seq_pos = np.searchsorted(seqs, gid[sel])
+    out = np.zeros((r, seqs.size), dtype=np.int64)
+    np.add.at(out, (sub, seq_pos), ch[sel, LEN])
+    return tuple(tuple(int(x) for x in row) for row in out)
 
 
 def build_route_spec(plan: Plan, rank: int) -> RouteSpec:
@@ -198,12 +245,14 @@ def build_route_spec(plan: Plan, rank: int) -> RouteSpec:
     lo = 0
     local_tokens, local_lens = 0, ()
     seq_group = np.asarray(plan.seq_group, dtype=np.int64)
+    rings = plan.rings
     for g in by_size.tolist():
         members = tuple(int(r) for r in plan.groups[g])
         if rank not in members:
             continue
         n = int(ch[to_me[grp[to_me] == g], LEN].sum())
         seqs = np.flatnonzero(seq_group == g)
+        r = int(rings[g])
         e = GroupEntry(
             group=g,
             members=members,
@@ -211,6 +260,8 @@ def build_route_spec(plan: Plan, rank: int) -> RouteSpec:
             lo=lo,
             hi=lo + n,
             seq_lens=tuple(index.lengths[seqs].tolist()),
+            ring=r,
+            blocks=_ring_blocks(ch, gid, grp, g, members, seqs, r) if r > 1 else (),
         )
         if e.degree == 1:  # one-rank groups come first; a plan may list this rank's more than once
             local_tokens, local_lens = local_tokens + n, local_lens + e.seq_lens
@@ -222,7 +273,7 @@ def build_route_spec(plan: Plan, rank: int) -> RouteSpec:
         if e.degree == 1:
             continue
         sel = rel[grp[rel] == e.group]
-        for m in e.members:
+        for m in e.sub:
             peer_tokens[(m, i)] = int(ch[sel[ch[sel, DST] == m], LEN].sum())
     chunk_info = ChunkInfo(
         group=grp[rel],
@@ -246,6 +297,8 @@ def build_route_spec(plan: Plan, rank: int) -> RouteSpec:
         local_tokens=local_tokens,
         local_seq_lens=local_lens,
         used_groups=tuple(tuple(int(r) for r in plan.groups[g]) for g in by_size.tolist()),
+        used_rings=tuple(int(rings[g]) for g in by_size.tolist()),
+        ring_rounds=max((int(rings[g]) for g in by_size.tolist()), default=1),
         has_ulysses=bool(used.size and sizes[used].max() > 1),
         routes=bool((used.size and sizes[used].max() > 1) or (ch[:, SRC] != ch[:, DST]).any()),
         peer_tokens=peer_tokens,

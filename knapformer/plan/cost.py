@@ -22,12 +22,13 @@ Pure numpy.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from knapformer.plan.seqindex import DST, IDX, LEN, SRC, SeqIndex, spread_over_groups, sum_by
+from knapformer.plan.seqindex import DST, IDX, LEN, SRC, SeqIndex, group_arrays, spread_over_groups, sum_by
 from knapformer.workload import WorkloadModel
 
 __all__ = [
@@ -37,6 +38,11 @@ __all__ = [
     "comm_features",
     "member_comm_estimate",
     "member_comm_lower",
+    "expected_max_normal",
+    "jitter_factor",
+    "kv_values",
+    "ring_exposed",
+    "ring_seconds",
     "route_seconds",
     "ulysses_seconds",
 ]
@@ -65,6 +71,9 @@ class LinkModel:
     copy_bw: float | None = None
     """Bytes/s of the executor's local copies around each exchange (packing, permutations);
     None = free."""
+    sync_jitter: float = 0.0
+    """Share of its compute a member of a two-rank group loses waiting for the slower one at
+    the exchanges (a k-rank group: × :func:`jitter_factor`); 0 = steady kernels."""
 
     def __post_init__(self) -> None:
         for name in ("intra_bw", "inter_bw", "units_per_second"):
@@ -77,10 +86,33 @@ class LinkModel:
                 raise ValueError(f"LinkModel.{name} must be a finite number >= 0, got {v!r}")
         if self.copy_bw is not None and not (isinstance(self.copy_bw, (int, float)) and self.copy_bw > 0):
             raise ValueError(f"LinkModel.copy_bw must be > 0 or None, got {self.copy_bw!r}")
+        if not (isinstance(self.sync_jitter, (int, float)) and 0 <= self.sync_jitter < 1):
+            raise ValueError(f"LinkModel.sync_jitter must be in [0, 1), got {self.sync_jitter!r}")
         for name in ("gpus_per_node", "bytes_per_value", "exchange_passes"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"LinkModel.{name} must be an int >= 1, got {v!r}")
+
+
+@functools.cache
+def expected_max_normal(k: int) -> float:
+    """E[max of k independent standard normals] (0 for k = 1, 1/√π for k = 2)."""
+    if k <= 1:
+        return 0.0
+    x = np.linspace(-8.0, 8.0, 4001)
+    pdf = np.exp(-0.5 * x * x) / np.sqrt(2 * np.pi)
+    cdf = 0.5 * (1.0 + np.vectorize(math.erf)(x / math.sqrt(2.0)))
+    integrand = x * k * pdf * cdf ** (k - 1)
+    return float(np.sum(integrand) * (x[1] - x[0]))
+
+
+def jitter_factor(k) -> np.ndarray:
+    """E[max of k] / E[max of 2] standard normals, per group size k (0 for k = 1): how much of
+    a k-rank group's compute its members lose waiting for the slowest at each exchange, in
+    units of the two-rank loss ``LinkModel.sync_jitter``."""
+    k = np.asarray(k, dtype=np.int64)
+    table = {int(v): expected_max_normal(int(v)) / expected_max_normal(2) for v in np.unique(k)}
+    return np.vectorize(table.__getitem__, otypes=[np.float64])(k) if k.size else np.zeros(k.shape)
 
 
 def heads_of(model: WorkloadModel) -> tuple[int, int, int]:
@@ -118,6 +150,13 @@ class CommFeatures:
     route_send: np.ndarray  # (2, S) per route
     route_recv: np.ndarray
     route_copy: np.ndarray  # (S,) per route: the tokens the rank gathers and receives
+    ring_kv: np.ndarray
+    """(2, S) per layer forward: K/V values the rank sends (and receives) around its rings,
+    Σ over its ring sequences of (r − 1) blocks of L/r tokens × its kv heads × (D + Dv)."""
+    ring_attn: np.ndarray
+    """(S,) Σ L²/k over its ring sequences: the attention its ring exchanges can hide behind."""
+    ring_rounds: int
+    """The largest ring of the plan (every rank joins its rounds)."""
     joins: bool
     routes: bool
     """Some token changes rank or some group has several members: route and reverse run (a plan
@@ -125,21 +164,43 @@ class CommFeatures:
 
 
 def comm_features(
-    index: SeqIndex, groups, seq_group: np.ndarray, chunks: np.ndarray, model: WorkloadModel, gpus_per_node: int
+    index: SeqIndex,
+    groups,
+    seq_group: np.ndarray,
+    chunks: np.ndarray,
+    model: WorkloadModel,
+    gpus_per_node: int,
+    ring=None,
 ) -> CommFeatures:
-    """The exchanges of a chunk table (see module docstring), exact per member."""
+    """The exchanges of a chunk table (see module docstring), exact per member for Ulysses
+    groups; a ring group (``ring[g]`` = r > 1 sub-groups of u = k/r members) exchanges Ulysses
+    rows inside each sub-group (over its block, priced as L/r tokens) and K/V blocks of L/r
+    tokens between sub-groups (:func:`ring_seconds`)."""
     S = index.num_ranks
-    sizes = np.fromiter((len(g) for g in groups), dtype=np.int64, count=len(groups))
-    cross = np.fromiter((len({r // gpus_per_node for r in g}) > 1 for g in groups), dtype=bool, count=len(groups))
-    k = sizes[seq_group].astype(np.float64)
+    sizes = group_arrays(groups)[0]
+    rings = np.ones(len(groups), dtype=np.int64) if ring is None else np.asarray(ring, dtype=np.int64)
+    us = sizes // rings
+    # a group's Ulysses exchanges cross nodes when a sub-group spans several; its ring when the
+    # group spans more nodes than a sub-group
+    spans = np.ones(len(groups), dtype=np.int64)
+    for i in np.flatnonzero(sizes > 1).tolist():
+        spans[i] = len({m // gpus_per_node for m in groups[i]})
+    sub_spans = spans.copy()
+    for i in np.flatnonzero(rings > 1).tolist():
+        g, u = groups[i], int(us[i])
+        sub_spans[i] = max(len({m // gpus_per_node for m in g[j : j + u]}) for j in range(0, len(g), u))
+    cross = sub_spans > 1
+    ring_cross = spans > sub_spans
+    k = us[seq_group].astype(np.float64)  # the Ulysses size of each sequence's group
+    r_seq = rings[seq_group].astype(np.float64)
     multi = k > 1
     w, o = widths(np.maximum(k, 1), model)
-    L = index.lengths.astype(np.float64)
+    L = index.lengths.astype(np.float64) / r_seq  # the block a sub-group gathers
     gid = index.gid(chunks[:, SRC], chunks[:, IDX])
     ck = k[gid]
     cm = multi[gid]
     out = {}
-    for name in ("pre_send", "pre_recv", "post_send", "post_recv", "route_send", "route_recv"):
+    for name in ("pre_send", "pre_recv", "post_send", "post_recv", "route_send", "route_recv", "ring_kv"):
         out[name] = np.zeros((2, S))
     h, h_kv, d = heads_of(model)
     src, dst, ln = chunks[:, SRC], chunks[:, DST], chunks[:, LEN].astype(np.float64)
@@ -150,6 +211,8 @@ def comm_features(
     held_multi = sum_by(dst, ln * cm, S)
     attn_multi = spread_over_groups(groups, seq_group, np.where(multi, L * (w + o), 0.0), S)
     copy = held_multi * ((h + 2 * h_kv) * d + h * d) + attn_multi
+    ring_seq = r_seq > 1
+    sent = np.where(ring_seq, (r_seq - 1) * L * kv_values(k, model), 0.0)  # r − 1 blocks of L/r tokens
     for cls in (0, 1):
         seq_sel = multi & (cross[seq_group] == bool(cls))
         ch_sel = cm & (cross[np.asarray(seq_group)[gid]] == bool(cls))
@@ -163,9 +226,21 @@ def comm_features(
         out["pre_recv"][cls] = all_L_w - own_w
         out["post_send"][cls] = all_L_o - own_o
         out["post_recv"][cls] = sum_by(dst, held * (ck - 1) * o[gid], S)
+        ring_sel = ring_seq & (ring_cross[seq_group] == bool(cls))
+        out["ring_kv"][cls] = spread_over_groups(groups, seq_group, np.where(ring_sel, sent, 0.0), S)
+    full = index.lengths.astype(np.float64)
+    ring_attn = spread_over_groups(groups, seq_group, np.where(ring_seq, full * full / (k * r_seq), 0.0), S)
     route_copy = sum_by(dst, ln, S) * model.d_model
-    routes = bool(multi.any() or (src != dst).any())
-    return CommFeatures(joins=bool(multi.any()), routes=routes, ulysses_copy=copy, route_copy=route_copy, **out)
+    routes = bool((sizes[seq_group] > 1).any() or (src != dst).any())
+    return CommFeatures(
+        joins=bool(multi.any()),
+        routes=routes,
+        ring_rounds=int(rings[np.unique(seq_group)].max()) if seq_group.size else 1,
+        ring_attn=ring_attn,
+        ulysses_copy=copy,
+        route_copy=route_copy,
+        **out,
+    )
 
 
 def a2a_seconds(sent: np.ndarray, recv: np.ndarray, bw: float, latency: float) -> np.ndarray:
@@ -194,6 +269,50 @@ def ulysses_seconds(f: CommFeatures, link: LinkModel) -> np.ndarray:
     return t * link.exchange_passes
 
 
+def kv_values(u, model: WorkloadModel):
+    """K and V values per token one member of a u-way Ulysses (sub-)group holds: its kv heads
+    (h_kv/u, or one replicated head when u does not divide h_kv) × (D + Dv)."""
+    h, h_kv, d = heads_of(model)
+    u = np.maximum(np.asarray(u, dtype=np.float64), 1.0)
+    if model.num_heads is None:  # heads unknown: kv heads split like the query heads
+        return (h_kv / u) * 2 * d
+    return np.where(np.mod(h_kv, u) == 0, h_kv / u, 1.0) * 2 * d
+
+
+def ring_exposed(sent_intra, sent_inter, rounds, attn_seconds, link: LinkModel, *, latency: bool = True):
+    """Seconds per layer (all passes) a member's ring exchanges add to its time — what the block
+    attention they overlap with does not hide (the executor issues round j + 1's exchange before
+    computing round j). ``sent_*``: K/V values it sends per layer forward (= receives) over each
+    link class; ``attn_seconds``: its ring attention per layer, forward + backward.
+
+    Forward: ``rounds − 1`` exchanges of K/V, hidden behind all but the last round's blocks
+    (⅓ of the attention is forward). Backward: the K/V again plus their gradients back to the
+    owners (fp32 when activations travel in half precision), ``rounds`` exchanges, hidden
+    behind ⅔ of the attention the same way. With activation recompute the forward runs twice."""
+    R = np.asarray(rounds, dtype=np.float64)
+    b = link.bytes_per_value
+    kv = np.asarray(sent_intra) * b / link.intra_bw + np.asarray(sent_inter) * b / link.inter_bw
+    grads = max(4.0 / b, 1.0)
+    lat = 0.0
+    if latency:
+        lat = np.where(np.asarray(sent_inter) > 0, link.inter_latency, link.intra_latency)
+    hide = np.where(R > 1, (R - 1) / np.maximum(R, 1), 0.0) * np.asarray(attn_seconds)
+    fwd = np.maximum((R - 1) * lat + kv - hide / 3.0, 0.0)
+    bwd = np.maximum(R * lat + kv * (1.0 + grads) - 2.0 * hide / 3.0, 0.0)
+    fwd_passes = max(link.exchange_passes - 1, 1)
+    return np.where(R > 1, fwd_passes * fwd + bwd, 0.0)
+
+
+def ring_seconds(f: CommFeatures, link: LinkModel, model: WorkloadModel, speed: np.ndarray | float = 1.0) -> np.ndarray:
+    """(S,) seconds per layer each rank spends in ring exchanges beyond the attention they
+    overlap with (:func:`ring_exposed`); every rank joins every round of the plan's largest
+    ring."""
+    if f.ring_rounds <= 1:
+        return np.zeros(f.ring_kv.shape[1])
+    attn_s = model.quad_coef * f.ring_attn / np.asarray(speed, dtype=np.float64) / link.units_per_second
+    return ring_exposed(f.ring_kv[0], f.ring_kv[1], f.ring_rounds, attn_s, link)
+
+
 def route_seconds(f: CommFeatures, link: LinkModel) -> np.ndarray:
     """(S,) seconds per step of route and reverse, forward and backward (4 exchanges), local
     copies included (4 passes: gather, pack, unpack, scatter); none for a plan that routes
@@ -206,30 +325,59 @@ def route_seconds(f: CommFeatures, link: LinkModel) -> np.ndarray:
     return 4 * t
 
 
-def member_comm_lower(L: np.ndarray, k: int, model: WorkloadModel, link: LinkModel, *, cross: bool = False):
+def _ring_member(L, k: int, ring: int, model: WorkloadModel, link: LinkModel, cross: bool, latency: bool):
+    """Cost units one member of a k-group run as ``ring`` sub-groups pays for its ring exchanges
+    of a sequence of length L (see :func:`ring_exposed`)."""
+    L = np.asarray(L, dtype=np.float64)
+    u = k // ring
+    sent = (ring - 1) * (L / ring) * kv_values(u, model)
+    attn_s = model.quad_coef * L * L / k / link.units_per_second
+    zero = np.zeros_like(sent)
+    intra, inter = (zero, sent) if cross else (sent, zero)
+    return ring_exposed(intra, inter, ring, attn_s, link, latency=latency) * link.units_per_second
+
+
+def member_comm_lower(
+    L: np.ndarray, k: int, model: WorkloadModel, link: LinkModel, *, cross: bool = False, ring: int = 1
+):
     """A lower bound on what the busiest member of a k-group pays for one sequence of length L,
     in cost units: it receives at least (L − ⌈L/k⌉) tokens' heads before and sends as many
-    outputs after attention (latency left out: it is shared by all sequences of a rank)."""
+    outputs after attention (latency left out: it is shared by all sequences of a rank). Run as
+    ``ring`` sub-groups of u = k/r: that over its block of L/r tokens inside the sub-group (a
+    node when u fits one), plus its ring exchanges (across nodes when k exceeds a node) beyond
+    the attention they overlap with."""
     if k <= 1:
         return np.zeros(np.shape(L))
+    L = np.asarray(L, dtype=np.float64)
+    if ring > 1:
+        u = k // ring
+        sub = member_comm_lower(L / ring, u, model, link, cross=u > link.gpus_per_node)
+        return sub + _ring_member(L, k, ring, model, link, k > link.gpus_per_node, latency=False)
     w, o = widths(np.asarray([k]), model)
     bw = link.inter_bw if cross else link.intra_bw
-    L = np.asarray(L, dtype=np.float64)
     other = L - np.ceil(L / k)
     seconds = other * (w[0] + o[0]) * link.bytes_per_value / bw * link.exchange_passes
     return seconds * link.units_per_second
 
 
-def member_comm_estimate(L: np.ndarray, k: int, model: WorkloadModel, link: LinkModel, *, cross: bool = False):
+def member_comm_estimate(
+    L: np.ndarray, k: int, model: WorkloadModel, link: LinkModel, *, cross: bool = False, ring: int = 1
+):
     """What one member of a k-group typically pays for a sequence of length L, in cost units:
     it holds L/k tokens, so it sends and receives L·(k−1)/k tokens' heads per exchange (plus
-    the local copies). The planner's per-sequence estimate; plans are then priced exactly by
-    :func:`ulysses_seconds`."""
+    the local copies). Run as ``ring`` sub-groups: that inside its sub-group over a block of
+    L/r tokens, plus its exposed ring exchanges (``cross``: the ring crosses nodes). The
+    planner's per-sequence estimate; plans are then priced exactly by :func:`ulysses_seconds`
+    and :func:`ring_seconds`."""
     if k <= 1:
         return np.zeros(np.shape(L))
+    L = np.asarray(L, dtype=np.float64)
+    if ring > 1:
+        u = k // ring
+        sub = member_comm_estimate(L / ring, u, model, link, cross=u > link.gpus_per_node)
+        return sub + _ring_member(L, k, ring, model, link, cross, latency=True)
     w, o = widths(np.asarray([k]), model)
     bw = link.inter_bw if cross else link.intra_bw
-    L = np.asarray(L, dtype=np.float64)
     moved = L * (k - 1) / k * (w[0] + o[0]) * link.bytes_per_value
     seconds = moved / bw
     if link.copy_bw is not None:

@@ -34,9 +34,19 @@ from typing import Any
 import numpy as np
 
 from knapformer.cost_terms import COST_TERMS, coefficients
-from knapformer.plan.cost import comm_features, route_seconds, ulysses_seconds
+from knapformer.plan.cost import comm_features, jitter_factor, ring_seconds, route_seconds, ulysses_seconds
 from knapformer.plan.problem import PlanProblem, moldable_lower_bound
-from knapformer.plan.seqindex import DST, IDX, LEN, SRC, SeqIndex, group_arrays, spread_over_groups, sum_by
+from knapformer.plan.seqindex import (
+    DST,
+    IDX,
+    LEN,
+    SRC,
+    SeqIndex,
+    group_arrays,
+    group_members,
+    spread_over_groups,
+    sum_by,
+)
 from knapformer.plan.validate import InvalidPlanError, check_plan
 from knapformer.workload import WorkloadModel
 
@@ -108,14 +118,27 @@ class RankFeatures:
         return self.matrix() @ coefficients(model)
 
 
-def rank_features(index: SeqIndex, groups, seq_group: np.ndarray, chunks: np.ndarray) -> RankFeatures:
-    """Per-rank features of a chunk table (see module docstring)."""
+def rank_features(
+    index: SeqIndex, groups, seq_group: np.ndarray, chunks: np.ndarray, ring=None, causal: bool = False
+) -> RankFeatures:
+    """Per-rank features of a chunk table (see module docstring). A ring group's members share
+    the attention evenly too (each attends its block's L/r queries to all L keys for h/u
+    heads), except under ``causal`` masking: contiguous blocks make sub-group s attend to s
+    whole blocks and half its own, (2s + 1)/r of the even share."""
     S = index.num_ranks
-    sizes = np.fromiter((len(g) for g in groups), dtype=np.float64, count=len(groups))
+    sizes = group_arrays(groups)[0].astype(np.float64)
     L = index.lengths.astype(np.float64)
+    attn = spread_over_groups(groups, seq_group, L * L / sizes[seq_group], S)
+    if causal and ring is not None:
+        for g in np.unique(seq_group[np.asarray(ring)[seq_group] > 1]).tolist() if seq_group.size else []:
+            members, r = groups[g], int(ring[g])
+            share = float((L[seq_group == g] ** 2).sum()) / len(members)
+            u = len(members) // r
+            for j, m in enumerate(members):
+                attn[m] += share * ((2 * (j // u) + 1) / r - 1.0)
     return RankFeatures(
         tokens=sum_by(chunks[:, DST], chunks[:, LEN], S),
-        attn=spread_over_groups(groups, seq_group, L * L / sizes[seq_group], S),
+        attn=attn,
         seqs=spread_over_groups(groups, seq_group, np.ones_like(L), S),
     )
 
@@ -151,6 +174,10 @@ class Plan:
     cost_model: WorkloadModel | None = None
     """The cost model the times were predicted with (carried for pictures and reports; not
     part of the digest)."""
+    ring: tuple[int, ...] | None = None
+    """Per group: the ring sub-groups r it runs as — Ulysses over the k/r members of each
+    sub-group (consecutive members), ring attention across the r sub-groups. None: 1 for every
+    group (Ulysses alone)."""
 
     # -- derived ---------------------------------------------------------------------------
     @property
@@ -162,6 +189,11 @@ class Plan:
     def seq_bag(self) -> np.ndarray:
         """Old name of :attr:`seq_group`."""
         return self.seq_group
+
+    @property
+    def rings(self) -> tuple[int, ...]:
+        """:attr:`ring` with its default filled in: one entry per group."""
+        return self.ring if self.ring is not None else (1,) * len(self.groups)
 
     @property
     def num_ranks(self) -> int:
@@ -210,8 +242,10 @@ class Plan:
         return len(members) == len(set(members))
 
     def features(self) -> RankFeatures:
-        """Per-rank tokens, attention share and sequence count under this plan."""
-        return rank_features(self.index, self.groups, self.seq_group, self.chunks)
+        """Per-rank tokens, attention share and sequence count under this plan (a causal cost
+        model's ring groups share their attention unevenly)."""
+        causal = bool(self.cost_model is not None and self.cost_model.causal)
+        return rank_features(self.index, self.groups, self.seq_group, self.chunks, self.ring, causal)
 
     def stats(self) -> dict[str, float]:
         return {
@@ -228,7 +262,7 @@ class Plan:
         """Hash of what the executor depends on (lengths, groups, seq_group, chunks): equal
         across ranks exactly when they will move the same data."""
         h = hashlib.sha256()
-        h.update(json.dumps([self.seq_lens, self.groups]).encode())
+        h.update(json.dumps([self.seq_lens, self.groups] + ([list(self.rings)] if self.ring else [])).encode())
         h.update(np.ascontiguousarray(self.seq_group, dtype=np.int64).tobytes())
         h.update(np.ascontiguousarray(self.chunks, dtype=np.int64).tobytes())
         return h.hexdigest()
@@ -278,6 +312,7 @@ def _plan_to_dict(plan: Plan) -> dict[str, Any]:
         "plan_seconds": plan.plan_seconds,
         "max_tokens_per_rank": plan.max_tokens_per_rank,
         "cost_model": plan.cost_model.to_dict() if plan.cost_model is not None else None,
+        "ring": list(plan.ring) if plan.ring is not None else None,
         "stats": plan.stats(),
     }
 
@@ -306,6 +341,7 @@ def _plan_from_dict(d: dict[str, Any]) -> Plan:
             solver=str(d.get("solver", "unknown")),
             max_tokens_per_rank=d.get("max_tokens_per_rank"),
             cost_model=WorkloadModel.from_dict(d["cost_model"]) if d.get("cost_model") else None,
+            ring=tuple(int(r) for r in d["ring"]) if d.get("ring") is not None else None,
         )
     except (TypeError, ValueError) as exc:
         raise ValueError(f"malformed plan JSON: {exc}") from exc
@@ -316,28 +352,49 @@ def _imbalance(t: np.ndarray) -> float:
     return float(t.max()) / mean - 1.0 if mean > 0 else 0.0
 
 
-def rank_times(problem: PlanProblem, groups, seq_group: np.ndarray, chunks: np.ndarray) -> np.ndarray:
+def largest_group(groups, seq_group: np.ndarray, num_ranks: int) -> np.ndarray:
+    """(S,) the size of the largest group holding sequences each rank is in (1 if none)."""
+    sizes, _ = group_arrays(groups)
+    members, owner = group_members(groups)
+    used = np.zeros(len(groups), dtype=bool)
+    used[np.unique(seq_group)] = True
+    out = np.ones(num_ranks, dtype=np.int64)
+    keep = used[owner]
+    np.maximum.at(out, members[keep], sizes[owner[keep]])
+    return out
+
+
+def rank_times(problem: PlanProblem, groups, seq_group: np.ndarray, chunks: np.ndarray, ring=None) -> np.ndarray:
     """(S,) predicted time of each rank under a chunk table: compute / speed, plus the Ulysses
-    exchanges priced by the problem's link model (the one cost function of the planner and
-    the cluster model)."""
-    t = rank_features(problem.index, groups, seq_group, chunks).cost(problem.model) / problem.speed
+    and ring exchanges priced by the problem's link model (the one cost function of the planner
+    and the cluster model)."""
+    model = problem.model
+    t = rank_features(problem.index, groups, seq_group, chunks, ring, model.causal).cost(model) / problem.speed
     if problem.link is not None:
         link = problem.link
-        comm = comm_features(problem.index, groups, seq_group, chunks, problem.model, link.gpus_per_node)
-        per_layer = ulysses_seconds(comm, link) + route_seconds(comm, link) / problem.model.num_layers
+        if link.sync_jitter and seq_group.size:  # members wait for the slowest of their largest group
+            t = t * (1.0 + link.sync_jitter * jitter_factor(largest_group(groups, seq_group, problem.num_ranks)))
+        comm = comm_features(problem.index, groups, seq_group, chunks, model, link.gpus_per_node, ring)
+        per_layer = ulysses_seconds(comm, link) + route_seconds(comm, link) / model.num_layers
+        per_layer = per_layer + ring_seconds(comm, link, model, problem.speed)
         t = t + per_layer * link.units_per_second
     return t
 
 
 def build_plan(
-    problem: PlanProblem, seq_group: np.ndarray, *, solver: str, plan_seconds: float = 0.0, groups=None
+    problem: PlanProblem, seq_group: np.ndarray, *, solver: str, plan_seconds: float = 0.0, groups=None, ring=None
 ) -> Plan:
     """Chunk ``seq_group`` into a full :class:`Plan` and check the memory cap. ``groups``
-    defaults to the problem's bags (per-sequence solvers pass the groups they chose)."""
+    defaults to the problem's bags (per-sequence solvers pass the groups they chose); ``ring``
+    (per group) to the problem's choice for each group size (:meth:`PlanProblem.ring_of`)."""
     seq_group = np.ascontiguousarray(seq_group, dtype=np.int64)
     groups = problem.bags if groups is None else tuple(tuple(int(r) for r in g) for g in groups)
+    if ring is None:
+        of_size = {k: problem.ring_of(k) for k in {len(g) for g in groups}}
+        ring = tuple(of_size[len(g)] for g in groups)
+    ring = tuple(int(r) for r in ring) if any(r != 1 for r in ring) else None
     chunks = chunk_table(problem.index, groups, seq_group)
-    time_after = rank_times(problem, groups, seq_group, chunks)
+    time_after = rank_times(problem, groups, seq_group, chunks, ring)
     moved = int(chunks[chunks[:, SRC] != chunks[:, DST], LEN].sum())
     plan = Plan(
         seq_lens=problem.seq_lens,
@@ -352,6 +409,7 @@ def build_plan(
         solver=solver,
         max_tokens_per_rank=problem.max_tokens_per_rank,
         cost_model=problem.model,
+        ring=ring,
     )
     plan.__dict__["index"] = problem.index  # share the numbering (fills the cached_property)
     cap = problem.max_tokens_per_rank
@@ -374,16 +432,19 @@ def plan_from_groups(
     rank_speed=None,
     max_tokens_per_rank: int | None = None,
     solver: str = "manual",
+    ring=None,
 ) -> Plan:
     """A plan with the groups you choose: sequence ``g`` runs on ``groups[seq_group[g]]``
     (ordered, distinct ranks; groups may overlap). Chunking, costs and the lower bound are the
     planner's own (the bound allows every group size up to the whole group), so the result
-    validates and runs with ``SequenceBalancer.use_plan``."""
+    validates and runs with ``SequenceBalancer.use_plan``. ``ring`` (per group, dividing its
+    size) runs a group as that many ring sub-groups; by default a group runs as a ring only
+    when the model's heads cannot split it (:meth:`PlanProblem.ring_of`)."""
     S = len(seq_lens)
     layout = f"g1n{S}"
     problem = PlanProblem(
         seq_lens=seq_lens, layout=layout, model=model, rank_speed=rank_speed, max_tokens_per_rank=max_tokens_per_rank
     )
-    plan = build_plan(problem, np.asarray(seq_group, dtype=np.int64), solver=solver, groups=groups)
+    plan = build_plan(problem, np.asarray(seq_group, dtype=np.int64), solver=solver, groups=groups, ring=ring)
     object.__setattr__(plan, "lower_bound", moldable_lower_bound(problem, range(1, S + 1)))
     return plan

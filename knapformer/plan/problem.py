@@ -10,6 +10,7 @@ Legend: ``n`` sequences, ``B`` bags, ``S`` ranks in the group.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ __all__ = [
     "moldable_lower_bound",
     "spread_over_groups",
     "sum_by",
+    "ulysses_size",
     "validate_lengths",
     "validate_seq_lens",
 ]
@@ -228,22 +230,25 @@ class PlanProblem:
     @cached_property
     def degrees(self) -> tuple[int, ...]:
         """Group sizes a sequence may run on: the bag sizes, or for ``auto`` every k that
-        respects ``max_degree``, splits the heads (k | h, and k | h_kv or h_kv | k; power-of-two
-        k ≤ 8 when the cost model has no head count), and either divides the group (aligned
-        blocks) and stays inside a node or spans whole ones (with a link model), or — in groups
-        of up to :data:`UNALIGNED_UP_TO` ranks without a link model — does not divide it (then
-        any k consecutive ranks): 3 ranks with 8 heads may still split a long sequence in 2."""
+        respects ``max_degree`` and either divides the group (aligned blocks) and stays inside
+        a node or spans whole ones (with a link model), or — in groups of up to
+        :data:`UNALIGNED_UP_TO` ranks without a link model — does not divide it (then any k
+        consecutive ranks): 3 ranks with 8 heads may still split a long sequence in 2. A k
+        the heads cannot split (k | h, and k | h_kv or h_kv | k) runs as a ring of Ulysses
+        sub-groups (:meth:`ring_of`); with ``AutoLayout(ring=False)`` such k are left out.
+        Without a head count: powers of two, as rings of sub-groups of at most 8 beyond 8."""
         if not self.auto:
             return tuple(sorted({len(b) for b in self.bags}))
         S, kmax = self.num_ranks, self.layout.max_degree or self.num_ranks
         h, h_kv = self.model.num_heads, self.model.num_kv_heads or self.model.num_heads
+        ring = self.layout.ring
         out = []
         for k in range(1, min(S, kmax) + 1):
             if S % k and (self.link is not None or S > UNALIGNED_UP_TO):
                 continue
-            if h is None and (k & (k - 1) or k > 8):
+            if h is None and (k & (k - 1) or (k > 8 and not ring)):
                 continue
-            if h is not None and (h % k or (h_kv % k and k % h_kv)):
+            if h is not None and not ring and (h % k or (h_kv % k and k % h_kv)):
                 continue
             if self.link is not None:
                 gpn = self.link.gpus_per_node
@@ -251,6 +256,15 @@ class PlanProblem:
                     continue
             out.append(k)
         return tuple(out)
+
+    def ring_of(self, k: int) -> int:
+        """How many ring sub-groups a k-rank group of this problem runs as: 1 (Ulysses over all
+        k) whenever the heads allow it — and for a bag layout whose model names no heads (the
+        executor checks them) — else k over the largest Ulysses size :func:`ulysses_size`
+        allows."""
+        if self.model.num_heads is None and not self.auto:
+            return 1
+        return k // _ulysses_size(k, self.model.num_heads, self.model.num_kv_heads)
 
     @cached_property
     def bag_capacity(self) -> np.ndarray:
@@ -328,6 +342,29 @@ class PlanProblem:
             )
 
 
+@functools.lru_cache(maxsize=4096)
+def _ulysses_size(k: int, num_heads: int | None, num_kv_heads: int | None) -> int:
+    return ulysses_size(k, num_heads, num_kv_heads)
+
+
+def ulysses_size(k: int, num_heads: int | None, num_kv_heads: int | None = None) -> int:
+    """The Ulysses part u of a k-rank group, the rest (k/u sub-groups) being a ring: the largest
+    divisor of k that splits h query heads (u | h) and h_kv kv heads (u | h_kv, or h_kv | u:
+    replicated); without a head count, the largest power of two ≤ 8 dividing k."""
+    h_kv = num_kv_heads or num_heads
+    best = 1
+    for u in range(1, k + 1):
+        if k % u:
+            continue
+        if num_heads is None:
+            ok = not u & (u - 1) and u <= 8
+        else:
+            ok = num_heads % u == 0 and (h_kv % u == 0 or u % h_kv == 0)
+        if ok:
+            best = u
+    return best
+
+
 def validate_rank_speed(rank_speed: object, num_ranks: int) -> tuple[float, ...]:
     """Per-rank relative speeds: ``num_ranks`` finite numbers > 0 (errors name the entry)."""
     if not isinstance(rank_speed, Sequence) or isinstance(rank_speed, (str, bytes)):
@@ -357,7 +394,8 @@ def moldable_lower_bound(problem: PlanProblem, degrees) -> float:
     best = np.full(problem.num_seqs, np.inf)
     total = np.full(problem.num_seqs, np.inf)
     for k in sorted(set(int(k) for k in degrees)):
-        comm = member_comm_lower(L, k, model, link) if link is not None else 0.0
+        r = problem.ring_of(k)
+        comm = member_comm_lower(L, k, model, link, ring=r) if link is not None else 0.0
         np.minimum(best, (model.chunk_cost(-(-L // k), L, k) + comm) / fastest, out=best)
         np.minimum(total, model.cost(L) + (k - 1) * model.per_seq_coef + k * comm, out=total)
     return max(float(total.sum() / problem.speed.sum()), float(best.max()))

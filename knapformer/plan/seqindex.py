@@ -10,6 +10,7 @@ Legend: ``n`` sequences, ``S`` ranks.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -88,13 +89,55 @@ def spread_over_groups(groups, seq_group: np.ndarray, per_seq: np.ndarray, num_r
     what every member pays for each of its groups' sequences (e.g. its share of attention).
     Groups may overlap: a rank in several groups pays for each."""
     per_group = sum_by(seq_group, per_seq, len(groups))
-    members = np.fromiter((r for g in groups for r in g), dtype=np.int64)
-    owner = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
+    members, owner = group_members(groups)
     return sum_by(members, per_group[owner], num_ranks)
 
 
+def group_members(groups) -> tuple[np.ndarray, np.ndarray]:
+    """Every group's ranks concatenated, and the group of each: cached for tuples of tuples
+    (a plan's groups; the cost functions ask for them a dozen times per candidate plan)."""
+    if isinstance(groups, tuple):
+        try:
+            return _group_members(groups)
+        except TypeError:  # unhashable members
+            pass
+    return _flatten(groups)
+
+
+def _flatten(groups) -> tuple[np.ndarray, np.ndarray]:
+    members = np.fromiter((r for g in groups for r in g), dtype=np.int64)
+    owner = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
+    return members, owner
+
+
+@functools.lru_cache(maxsize=16)
+def _group_members(groups: tuple) -> tuple[np.ndarray, np.ndarray]:
+    members, owner = _flatten(groups)
+    members.flags.writeable = False
+    owner.flags.writeable = False
+    return members, owner
+
+
 def group_arrays(groups) -> tuple[np.ndarray, np.ndarray]:
-    """(G,) group sizes and (G, max size) group ranks padded with -1."""
+    """(G,) group sizes and (G, max size) group ranks padded with -1 (cached for tuples of
+    tuples; read-only then)."""
+    if isinstance(groups, tuple):
+        try:
+            return _group_arrays(groups)
+        except TypeError:
+            pass
+    return _arrays(groups)
+
+
+@functools.lru_cache(maxsize=16)
+def _group_arrays(groups: tuple) -> tuple[np.ndarray, np.ndarray]:
+    sizes, mat = _arrays(groups)
+    sizes.flags.writeable = False
+    mat.flags.writeable = False
+    return sizes, mat
+
+
+def _arrays(groups) -> tuple[np.ndarray, np.ndarray]:
     sizes = np.fromiter((len(g) for g in groups), dtype=np.int64, count=len(groups))
     mat = np.full((len(groups), int(sizes.max()) if len(groups) else 1), -1, dtype=np.int64)
     for i, g in enumerate(groups):

@@ -46,6 +46,12 @@ def check_plan(plan: Plan) -> None:
         bad = [r for r in g if not (isinstance(r, (int, np.integer)) and 0 <= r < S)]
         if bad:
             _fail(f"group {i} {tuple(g)} has rank {bad[0]!r} outside the group's {S} ranks")
+    if plan.ring is not None:
+        if len(plan.ring) != len(plan.groups):
+            _fail(f"ring has {len(plan.ring)} entries for {len(plan.groups)} groups")
+        for i, (g, r) in enumerate(zip(plan.groups, plan.ring)):
+            if not (isinstance(r, (int, np.integer)) and r >= 1 and len(g) % r == 0):
+                _fail(f"group {i} {tuple(g)}: ring {r!r} must be an int >= 1 dividing its {len(g)} ranks")
     sb = np.asarray(plan.seq_group)
     if sb.shape != (n,):
         _fail(f"seq_group has shape {sb.shape}, expected ({n},)")

@@ -289,6 +289,9 @@ def format_report(rep: dict) -> str:
         f"({rep['speedup_over_ideal']:.1%} of ideal)   loss match: {rep['loss_match']} "
         f"(max rel diff {rep['loss_max_rel_diff']:.1e})",
     ]
+    plan = rep.get("first_plan")
+    if plan and plan.get("groups"):
+        lines.append(f"first plan's groups: {_groups(plan)}")
     per_step = rep["speedup_over_ideal_per_step"]
     if len(per_step) > 1:
         lines.append(
@@ -296,6 +299,21 @@ def format_report(rep: dict) -> str:
             f"(median {statistics.median(per_step):.1%})"
         )
     return "\n".join(lines)
+
+
+def _groups(plan: dict) -> str:
+    """The group sizes the plan runs sequences on, with rings: ``4 ranks (ring 2 × Ulysses 2) ×1``."""
+    used = sorted(set(plan["seq_group"]))
+    rings = plan.get("ring") or [1] * len(plan["groups"])
+    kinds: dict[tuple[int, int], int] = {}
+    for g in used:
+        key = (len(plan["groups"][g]), int(rings[g]))
+        kinds[key] = kinds.get(key, 0) + 1
+    parts = []
+    for (k, r), n in sorted(kinds.items()):
+        how = f" (ring {r} × Ulysses {k // r})" if r > 1 else ""
+        parts.append(f"{k} rank{'s' if k > 1 else ''}{how} ×{n}")
+    return ", ".join(parts)
 
 
 def _waits(mode: dict) -> str:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from knapformer.distributed.ops import all_to_all, permute_rows
-from knapformer.distributed.spec import RouteSpec
+from knapformer.distributed.spec import GroupEntry, RouteSpec
 from knapformer.distributed.ulysses.layout import UlyssesLayout, heads_error, ulysses_layout
 
 __all__ = ["AttnBatch", "UlyssesCall", "check_heads", "post_attn_batches", "pre_attn_batches"]
@@ -51,11 +51,15 @@ class AttnBatch:
     v: torch.Tensor  # (A, hkv, Dv)
     cu_seqlens: torch.Tensor  # (n + 1,) int32
     max_len: int
+    ring: GroupEntry | None = None
+    """A ring batch: its entry (sub-group, ring peers, every sub-group's blocks). q, k, v are
+    then this rank's heads of its own block of each sequence; attention is not complete until
+    the other blocks' K/V have passed (:mod:`knapformer.distributed.ring`)."""
 
 
 def check_heads(h: int, h_kv: int, spec: RouteSpec) -> str:
     """Why these head counts cannot run the plan ("" if they can); the same on every rank."""
-    return heads_error(spec.used_groups, h, h_kv)
+    return heads_error(spec.used_groups, h, h_kv, spec.used_rings)
 
 
 def _slot(buf: torch.Tensor, off: int, n: int, width: int) -> torch.Tensor:
@@ -219,12 +223,12 @@ def pre_attn_batches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Ro
             parts = (permute_rows(rows, idx.gathers[0], idx.gather_inverse),)
         else:
             parts = _GatherRows.apply(rows.shape[0], rows, *idx.gathers)
-        for deg, (hq, hkv, w), part, cu, mx in zip(lay.degrees, lay.widths, parts, idx.cu_seqlens, lay.max_len):
+        kinds = zip(lay.degrees, lay.ring_entries, lay.widths, parts, idx.cu_seqlens, lay.max_len)
+        for deg, ring, (hq, hkv, w), part, cu, mx in kinds:
             # one split (its backward is one cat of dq, dk, dv; slices would each zero-fill a copy)
             qs, ks, vs = torch.split(part.view(-1, w), [hq * d, hkv * d, hkv * dv], dim=1)
-            batches.append(
-                AttnBatch(deg, qs.unflatten(1, (hq, d)), ks.unflatten(1, (hkv, d)), vs.unflatten(1, (hkv, dv)), cu, mx)
-            )
+            qs, ks, vs = qs.unflatten(1, (hq, d)), ks.unflatten(1, (hkv, d)), vs.unflatten(1, (hkv, dv))
+            batches.append(AttnBatch(deg, qs, ks, vs, cu, mx, spec.entries[ring] if ring >= 0 else None))
     return UlyssesCall(batches, heads, recv[:0].clone())
 
 

@@ -10,6 +10,11 @@ received rows in attention order, and caches them on the route spec.
 
 Attention order (degree k): the whole sequences of this rank's k-member entries, each
 sequence's chunks in member order, with this member's h/k query heads (and its kv heads).
+
+A ring group (k = u·r members as r sub-groups of u) is Ulysses inside each sub-group: a member
+gets its h/u heads of its sub-group's *block* of each sequence (the sub-group's chunks, in
+member order), and each ring entry is an attention batch of its own, which
+:mod:`knapformer.distributed.ring` completes by passing K/V blocks around the ring.
 """
 
 from __future__ import annotations
@@ -49,23 +54,26 @@ def member_heads(k: int, j: int, h: int, h_kv: int) -> tuple[slice, slice]:
     return slice(j * hq, (j + 1) * hq), slice(c, c + 1)
 
 
-def heads_error(groups, h: int, h_kv: int) -> str:
-    """Why these groups (tuples of ranks) cannot split h query / h_kv kv heads ("" if they can):
-    names the first group that cannot."""
+def heads_error(groups, h: int, h_kv: int, rings=None) -> str:
+    """Why these groups (tuples of ranks; ``rings[i]`` ring sub-groups each, default 1) cannot
+    split h query / h_kv kv heads ("" if they can): names the first group that cannot. A group
+    of k ranks with r sub-groups splits the heads u = k/r ways (the ring passes whole blocks)."""
     if h <= 0 or h_kv <= 0 or h % h_kv:
         return f"{h} query heads and {h_kv} kv heads: the query heads must be a multiple of the kv heads"
+    rings = (1,) * len(groups) if rings is None else tuple(rings)
     sizes = sorted({len(g) for g in groups})
-    for g in groups:
+    for g, r in zip(groups, rings):
         k = len(g)
-        if h % k:
+        u = k // r
+        what = f"group {tuple(g)} of {k} ranks" if r == 1 else f"group {tuple(g)} of {k} ranks as a ring of {r} × {u}"
+        hint = "" if r > 1 else "; a ring (Plan.ring) lets a group split fewer ways"
+        if h % u:
+            ways = "evenly" if r == 1 else f"{u} ways"
+            return f"{what} cannot split {h} attention heads {ways} (group sizes in this plan: {sizes}){hint}"
+        if h_kv % u and u % h_kv:
             return (
-                f"group {tuple(g)} of {k} ranks cannot split {h} attention heads evenly "
-                f"(group sizes in this plan: {sizes})"
-            )
-        if h_kv % k and k % h_kv:
-            return (
-                f"group {tuple(g)} of {k} ranks cannot share {h_kv} kv heads (h={h}): k must divide h_kv "
-                f"(each member gets h_kv/k) or h_kv must divide k (kv heads replicated)"
+                f"{what} cannot share {h_kv} kv heads (h={h}) {u} ways: {u} must divide h_kv "
+                f"(each member gets h_kv/{u}) or h_kv must divide {u} (kv heads replicated){hint}"
             )
     return ""
 
@@ -103,16 +111,16 @@ class LayoutIndices:
     """A layout's index tensors on one device."""
 
     gathers: list[torch.Tensor]
-    """Per degree: received rows (of ``pre_rows`` elements) in attention order."""
+    """Per batch: received rows (of ``pre_rows`` elements) in attention order."""
     gather_inverse: torch.Tensor | None
-    """With one degree whose gather uses every received row (a permutation): its inverse, so
+    """With one batch whose gather uses every received row (a permutation): its inverse, so
     that forward and backward are both gathers (cheaper than scattering into a new buffer)."""
     scatters: list[torch.Tensor]
-    """Per degree: rows (of ``post_rows`` elements) of the post send buffer, in attention order."""
+    """Per batch: rows (of ``post_rows`` elements) of the post send buffer, in attention order."""
     scatter_inverse: torch.Tensor | None
-    """With one degree (its scatter is then a permutation of every send row): its inverse."""
+    """With one batch (its scatter is then a permutation of every send row): its inverse."""
     cu_seqlens: list[torch.Tensor]
-    """Per degree: int32 bounds of the attention batch's sequences."""
+    """Per batch: int32 bounds of the attention batch's sequences."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -124,21 +132,26 @@ class UlyssesLayout:
     unpacks the received slots by copy segments."""
 
     degrees: tuple[int, ...]
-    """Degrees (>1) of this rank's multi-rank entries, ascending."""
+    """Per attention batch of this rank's multi-rank entries: the group size k (> 1). Batches:
+    Ulysses-only entries by ascending degree, then one per ring entry."""
+    rings: tuple[int, ...]
+    """Per batch: ring sub-groups r (1: Ulysses alone)."""
+    ring_entries: tuple[int, ...]
+    """Per batch: the entry (index into the spec's entries) of a ring batch, -1 otherwise."""
     widths: tuple[tuple[int, int, int], ...]
-    """Per degree: (query heads, kv heads, elements per token in the pre exchange)."""
+    """Per batch: (query heads, kv heads, elements per token in the pre exchange) — of u = k/r."""
     pre_send: list[int]
     pre_recv: list[int]
     pre_segments: tuple[PackSegment, ...]
     pre_rows: int
     """Granularity (elements) of the received buffer's gather (gcd of the slot widths)."""
     pre_gather: tuple[np.ndarray, ...]
-    """Per degree: received rows (of ``pre_rows`` elements) in attention order."""
+    """Per batch: received rows (of ``pre_rows`` elements) in attention order."""
     post_send: list[int]
     post_recv: list[int]
     post_rows: int
     post_scatter: tuple[np.ndarray, ...]
-    """Per degree: rows (of ``post_rows`` elements) of the send buffer, in attention order."""
+    """Per batch: rows (of ``post_rows`` elements) of the send buffer, in attention order."""
     post_segments: tuple[UnpackSegment, ...]
     cu_seqlens: tuple[list[int], ...]
     max_len: tuple[int, ...]
@@ -186,42 +199,53 @@ def ulysses_layout(spec: RouteSpec, h: int, h_kv: int, d: int, dv: int) -> Ulyss
     derived once per plan and head configuration (cached on ``spec``)."""
     key = ("ulysses", h, h_kv, d, dv)
     if key not in spec.cache:
-        error = heads_error(spec.used_groups, h, h_kv)
+        error = heads_error(spec.used_groups, h, h_kv, spec.used_rings)
         if error:
             raise ValueError(error)
         spec.cache[key] = _build(spec, h, h_kv, d, dv)
     return spec.cache[key]
 
 
+def _kinds(multi) -> list[tuple[int, int, tuple[int, ...]]]:
+    """Attention batches of the multi-rank entries: (degree, u, entry indices). Ulysses-only
+    entries of one degree share a batch (ascending degree); each ring entry is its own batch
+    (its blocks pass around its own ring), after them in entry order."""
+    plain = sorted({e.degree for _, e in multi if e.ring == 1})
+    kinds = [(k, k, tuple(i for i, e in multi if e.ring == 1 and e.degree == k)) for k in plain]
+    return kinds + [(e.degree, e.u, (i,)) for i, e in multi if e.ring > 1]
+
+
 def _build(spec: RouteSpec, h: int, h_kv: int, d: int, dv: int) -> UlyssesLayout:
     S = spec.num_ranks
     multi = [(i, e) for i, e in enumerate(spec.entries) if e.degree > 1]
-    degrees = tuple(sorted({e.degree for _, e in multi}))
+    kinds = _kinds(multi)
 
-    def widths(k: int) -> tuple[int, int, int]:
-        hq = h // k
-        hkv = h_kv // k if h_kv % k == 0 else 1
+    def widths(u: int) -> tuple[int, int, int]:
+        hq = h // u
+        hkv = h_kv // u if h_kv % u == 0 else 1
         return hq, hkv, hq * d + hkv * d + hkv * dv
 
-    W = {k: widths(k) for k in degrees}  # pre exchange: q | k | v heads of one member, per token
-    Wo = {k: W[k][0] * dv for k in degrees}  # post exchange: that member's output heads, per token
+    us = sorted({e.u for _, e in multi})
+    W = {u: widths(u) for u in us}  # pre exchange: q | k | v heads of one member, per token
+    Wo = {u: W[u][0] * dv for u in us}  # post exchange: that member's output heads, per token
 
     def slots(width: dict, tokens) -> tuple[list[int], dict]:
-        """Per peer (ascending): my entries containing it (entry order), ``tokens(peer, i, e)``
-        rows of ``width[degree]`` each. Returns the split sizes and each slot's offset."""
+        """Per peer (ascending): my entries whose sub-group contains it (entry order),
+        ``tokens(peer, i, e)`` rows of ``width[u]`` each. Returns the split sizes and each
+        slot's offset."""
         splits, offset, off = [0] * S, {}, 0
         for peer in range(S):
             start = off
             for i, e in multi:
-                if peer in e.members:
+                if peer in e.sub:
                     offset[(peer, i)] = off
-                    off += tokens(peer, i, e) * width[e.degree]
+                    off += tokens(peer, i, e) * width[e.u]
             splits[peer] = off - start
         return splits, offset
 
     mine = lambda peer, i, e: e.hi - e.lo  # noqa: E731  (I send all my rows of an entry to each member)
     theirs = lambda peer, i, e: spec.peer_tokens[(peer, i)]  # noqa: E731
-    Wi = {k: W[k][2] for k in degrees}
+    Wi = {u: W[u][2] for u in us}
     pre_send, pre_send_off = slots(Wi, mine)
     pre_recv, pre_recv_off = slots(Wi, theirs)
     post_send, post_send_off = slots(Wo, theirs)
@@ -231,8 +255,8 @@ def _build(spec: RouteSpec, h: int, h_kv: int, d: int, dv: int) -> UlyssesLayout
         e = spec.entries[i]
         if e.hi == e.lo:
             continue
-        hq, hkv, w = W[e.degree]
-        qh, kvh = member_heads(e.degree, e.members.index(peer), h, h_kv)
+        hq, hkv, w = W[e.u]
+        qh, kvh = member_heads(e.u, e.sub.index(peer), h, h_kv)
         pre_segments += [
             PackSegment(0, e.lo, e.hi, qh.start, qh.stop, off, w, 0),
             PackSegment(1, e.lo, e.hi, kvh.start, kvh.stop, off, w, hq * d),
@@ -241,39 +265,45 @@ def _build(spec: RouteSpec, h: int, h_kv: int, d: int, dv: int) -> UlyssesLayout
     for (peer, i), off in post_recv_off.items():
         e = spec.entries[i]
         if e.hi > e.lo:
-            qh, _ = member_heads(e.degree, e.members.index(peer), h, h_kv)
-            post_segments.append(UnpackSegment(off, Wo[e.degree], e.lo, e.hi, qh.start, qh.stop))
-    g_in = reduce(math.gcd, [W[k][2] for k in degrees], 0) or 1
+            qh, _ = member_heads(e.u, e.sub.index(peer), h, h_kv)
+            post_segments.append(UnpackSegment(off, Wo[e.u], e.lo, e.hi, qh.start, qh.stop))
+    g_in = reduce(math.gcd, [W[u][2] for u in us], 0) or 1
     g_out = reduce(math.gcd, list(Wo.values()), 0) or 1
-    # -- attention order per degree: chunks of the degree's entries by (entry, gid, start)
+    # -- attention order per batch: its entries' chunks held by the sub-group, by (entry, gid, start)
     info = spec.chunk_info
-    entry_of_group = {e.group: i for i, e in multi}
     member_lo = _member_entry_lo(info)
     gathers, scatters, cus, maxes, tokens = [], [], [], [], []
-    for k in degrees:
-        sel = np.flatnonzero(np.isin(info.group, [e.group for _, e in multi if e.degree == k]))
+    for _, u, ents_of_kind in kinds:
+        ents = [spec.entries[i] for i in ents_of_kind]
+        held = np.zeros(info.group.size, dtype=bool)
+        for e in ents:
+            held |= (info.group == e.group) & np.isin(info.dst, e.sub)
+        sel = np.flatnonzero(held)
         sel = sel[np.argsort(info.group_order[sel], kind="stable")]  # (gid, start) order within an entry
-        ents = [entry_of_group[int(g)] for g in info.group[sel]]
+        entry_of_group = {e.group: i for i, e in zip(ents_of_kind, ents)}
+        chunk_ent = [entry_of_group[int(g)] for g in info.group[sel]]
         holders = info.dst[sel].tolist()  # the member holding a chunk sends it (and gets its output)
         lens = info.length[sel]
         in_slot = info.routed_offset[sel] - member_lo[sel]  # rows before the chunk in the holder's entry range
         tok = concat_ranges(np.zeros(lens.size, dtype=np.int64), lens)  # token index within its chunk
         chunk_of_tok = np.repeat(np.arange(lens.size), lens)
-        for width, offsets, g, out in ((W[k][2], pre_recv_off, g_in, gathers), (Wo[k], post_send_off, g_out, scatters)):
-            start = np.asarray([offsets[(m, i)] for m, i in zip(holders, ents)], dtype=np.int64) + in_slot * width
+        for width, offsets, g, out in ((W[u][2], pre_recv_off, g_in, gathers), (Wo[u], post_send_off, g_out, scatters)):
+            start = np.asarray([offsets[(m, i)] for m, i in zip(holders, chunk_ent)], dtype=np.int64) + in_slot * width
             first = (start[chunk_of_tok] + tok * width) // g
             out.append((first[:, None] + np.arange(width // g)[None, :]).reshape(-1))
-        seq_lens = [L for _, e in multi if e.degree == k for L in e.seq_lens]
+        seq_lens = [L for e in ents for L in (e.blocks[e.ring_pos] if e.ring > 1 else e.seq_lens)]
         cus.append(np.concatenate([[0], np.cumsum(seq_lens)]).astype(np.int64).tolist())
         maxes.append(max(seq_lens, default=0))
         tokens.append(int(lens.sum()))
     one_group = None
     e = multi[0][1] if len(multi) == 1 else None
-    if e is not None and h_kv % e.degree == 0 and e.lo == spec.local_tokens < e.hi == spec.num_routed:
+    if e is not None and e.ring == 1 and h_kv % e.degree == 0 and e.lo == spec.local_tokens < e.hi == spec.num_routed:
         one_group = (e.degree, tuple(e.members.index(r) for r in sorted(e.members)))
     return UlyssesLayout(
-        degrees=degrees,
-        widths=tuple(W[k] for k in degrees),
+        degrees=tuple(k for k, _, _ in kinds),
+        rings=tuple(spec.entries[ents[0]].ring for _, _, ents in kinds),
+        ring_entries=tuple(ents[0] if spec.entries[ents[0]].ring > 1 else -1 for _, _, ents in kinds),
+        widths=tuple(W[u] for _, u, _ in kinds),
         pre_send=pre_send,
         pre_recv=pre_recv,
         pre_segments=tuple(pre_segments),
@@ -287,7 +317,7 @@ def _build(spec: RouteSpec, h: int, h_kv: int, d: int, dv: int) -> UlyssesLayout
         cu_seqlens=tuple(cus),
         max_len=tuple(maxes),
         attn_tokens=tuple(tokens),
-        replicated=any(h_kv % k for k in degrees),
+        replicated=any(h_kv % u for u in us),
         one_group=one_group,
     )
 

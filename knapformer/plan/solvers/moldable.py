@@ -36,9 +36,10 @@ import time
 import numpy as np
 
 from knapformer.layout import BagLayout
-from knapformer.plan.cost import member_comm_estimate
+from knapformer.plan.cost import jitter_factor, member_comm_estimate
 from knapformer.plan.plan import Plan, build_plan
 from knapformer.plan.problem import PlanProblem
+from knapformer.plan.solvers.blocks import Blocks as _Blocks
 from knapformer.plan.solvers.common import stamp
 from knapformer.plan.solvers.lpt import lpt_fill, solve_lpt
 from knapformer.plan.solvers.refine import local_search, settle_home
@@ -52,6 +53,9 @@ CANDIDATES_PER_SECOND = 40
 """How many α candidates a second of ``time_budget_s`` buys (a 1,024-rank step plans one in
 ~25 ms on the 2-core development machine)."""
 _FIXED_ALL_UP_TO = 16
+_FAST_BLOCKS = True
+"""Choose blocks from maintained block maxima when every rank is equally fast (:class:`_Blocks`);
+False gathers every rank's load per sequence (the general path; tests compare the two)."""
 """Up to this many ranks every fixed bag layout is a candidate; above, the uniform ones."""
 
 
@@ -62,9 +66,13 @@ def member_costs(problem: PlanProblem) -> tuple[tuple[int, ...], np.ndarray]:
     model, link = problem.model, problem.link
     rows = []
     for k in D:
+        r = problem.ring_of(k)
         c = model.chunk_cost(-(-L // k), L, k)
+        if model.causal and r > 1:  # the last sub-group attends to (2r − 1)/r of the even share
+            c = c + model.quad(L) / k * ((2 * r - 1) / r - 1)
         if link is not None and k > 1:
-            c = c + member_comm_estimate(L, k, model, link, cross=k > link.gpus_per_node)
+            c = c * (1.0 + link.sync_jitter * float(jitter_factor(k)))
+            c = c + member_comm_estimate(L, k, model, link, cross=k > link.gpus_per_node, ring=r)
         rows.append(np.asarray(c, dtype=np.float64))
     return D, np.stack(rows) if rows else np.zeros((0, problem.num_seqs))
 
@@ -77,13 +85,37 @@ def _blocks(S: int, k: int) -> np.ndarray:
     return np.arange(S, dtype=np.int64).reshape(S // k, k)
 
 
-def _candidate(problem: PlanProblem, D, cost: np.ndarray, target: float) -> Plan | None:
+def _picks(cost: np.ndarray, target: float) -> np.ndarray:
+    """Each sequence's degree (row of ``cost``) for a target makespan: the smallest whose
+    per-member cost fits under it, else the cheapest."""
+    fits = cost <= target
+    return np.where(fits.any(axis=0), fits.argmax(axis=0), cost.argmin(axis=0))
+
+
+def _balanced_target(problem: PlanProblem, D, cost: np.ndarray, lo: float, hi: float) -> float:
+    """The least target T in [lo, hi] at which every sequence's degree (:func:`_picks`) keeps
+    the members' total work within what the ranks do in T (bisection; at most ``hi``)."""
+    work = cost * np.asarray(D, dtype=np.float64)[:, None]
+    cols = np.arange(cost.shape[1])
+    capacity = float(problem.speed.sum())
+
+    def fits(t: float) -> bool:
+        return float(work[_picks(cost, t), cols].sum()) <= capacity * t
+
+    if fits(lo):
+        return lo
+    for _ in range(24):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
+
+
+def _candidate(problem: PlanProblem, D, cost: np.ndarray, target: float, pick: np.ndarray | None = None) -> Plan | None:
     S, n = problem.num_ranks, problem.num_seqs
     speed = problem.speed
     cap = problem.max_tokens_per_rank
     L = problem.lengths
-    fits = cost <= target
-    pick = np.where(fits.any(axis=0), fits.argmax(axis=0), cost.argmin(axis=0))
+    pick = _picks(cost, target) if pick is None else pick
     degree = np.asarray(D, dtype=np.int64)[pick]
     if not (degree > 1).any():  # every sequence whole: exactly the one-rank-bags problem
         return _solve_bags(problem, f"g1n{S}")
@@ -96,22 +128,33 @@ def _candidate(problem: PlanProblem, D, cost: np.ndarray, target: float) -> Plan
     multi = np.flatnonzero(degree > 1)
     multi = multi[np.argsort(-c[multi], kind="stable")]
     home = problem.src_rank
-    blocks = {k: _blocks(S, k) for k in set(degree[multi].tolist())}
+    used = sorted(set(degree[multi].tolist()))
+    fast = _FAST_BLOCKS and (speed == speed[0]).all() and all(S % k == 0 for k in used)
+    place = _Blocks(S, used, cap) if fast else None
+    blocks = {k: _blocks(S, k) for k in used} if place is None else None
     for g in multi.tolist():
         k = int(degree[g])
-        B = blocks[k]
-        finish = (load[B] + c[g] / speed[B]).max(axis=1)
-        if cap is not None:
-            finish = np.where((tok[B] + -(-int(L[g]) // k) <= cap).all(axis=1), finish, np.inf)
-        best = finish.min()
-        if not np.isfinite(best):
-            return None
-        near = np.flatnonzero(finish <= best * (1 + 1e-12))
-        at_home = near[(B[near] == home[g]).any(axis=1)]
-        b = int(at_home[0] if at_home.size else near[0])
-        members = tuple(int(r) for r in B[b])
+        need = -(-int(L[g]) // k)
+        if place is not None:  # aligned blocks, one speed: block maxima kept up to date
+            b = place.best(k, c[g], need, int(home[g]))
+            if b < 0:
+                return None
+            members = tuple(range(b * k, (b + 1) * k))
+            place.add(k, b, c[g], need)
+        else:
+            B = blocks[k]
+            finish = ((load[B] + c[g]) / speed[B]).max(axis=1)
+            if cap is not None:
+                finish = np.where((tok[B] + need <= cap).all(axis=1), finish, np.inf)
+            best = finish.min()
+            if not np.isfinite(best):
+                return None
+            near = np.flatnonzero(finish <= best * (1 + 1e-12))
+            at_home = near[(B[near] == home[g]).any(axis=1)]
+            b = int(at_home[0] if at_home.size else near[0])
+            members = tuple(int(r) for r in B[b])
         load[list(members)] += c[g]
-        tok[list(members)] += -(-int(L[g]) // k)
+        tok[list(members)] += need
         if members not in index_of:
             index_of[members] = len(groups)
             groups.append(members)
@@ -247,12 +290,47 @@ def solve_moldable(problem: PlanProblem, *, time_budget_s: float | None = None) 
     if extra and problem.num_ranks > _FIXED_ALL_UP_TO:  # budget left after the α: the layout menu
         menu = [s for s in layout_menu(problem.num_ranks, [k for k in D]) if _fits(problem, s)]
         fixed += menu[: max(0, extra - (n_alpha - 1))]
-    candidates = [p for a in ALPHAS[:n_alpha] if (p := _candidate(problem, D, cost, lb * a)) is not None]
+    # degrees Ulysses runs alone (no ring): the "split more" α candidates stay within them (a
+    # ring's estimate is the least certain), and when α = 1 chose a ring, its Ulysses-only twin
+    plain = [i for i, k in enumerate(D) if problem.ring_of(k) == 1]
+    Dp, cost_p = tuple(D[i] for i in plain), cost[plain]
+    first = _picks(cost, lb * ALPHAS[0])
+    runs = [(D, cost, lb * ALPHAS[0])] + [(Dp, cost_p, lb * a) for a in ALPHAS[1:n_alpha]]
+    ringed = len(plain) < len(D) and not np.isin(first, plain).all()
+    if ringed and n <= 2048:  # a sequence wants a ring: its Ulysses-only twin, and rings as wide as pays
+        runs += [(Dp, cost_p, lb * ALPHAS[0]), (D, cost, lb * ALPHAS[1])]
+    candidates = [p for d, c, t in runs if (p := _candidate(problem, d, c, t)) is not None]
     candidates += _fixed_candidates(problem, fixed)
-    try:  # every sequence whole at home (nothing moves): auto is never predicted slower than that
-        candidates.append(build_plan(problem, np.arange(problem.num_ranks)[problem.src_rank], solver="moldable"))
-    except ValueError:  # home breaks the memory cap
-        pass
+    reached = min((p.makespan for p in candidates), default=np.inf)
+    unfit = not (cost <= lb * ALPHAS[0]).any(axis=0).all()
+    if unfit and np.isfinite(reached) and reached > lb * (1 + problem.options.tie_tolerance):
+        # a sequence no degree fitted under the bound took its cheapest, often the widest: split
+        # each only as far as a makespan needs — the least whose members' total work fits the
+        # ranks (the allotment of moldable scheduling), and the makespan already reached
+        tried = [first]
+        for target in (_balanced_target(problem, D, cost, lb, reached), reached):
+            picks = _picks(cost, target)
+            if any((picks == t).all() for t in tried):
+                continue
+            tried.append(picks)
+            if (p := _candidate(problem, D, cost, target)) is not None:
+                candidates.append(p)
+    if ringed:  # the published hybrid-CP allotment at caps around the longest sequence's degree
+        from knapformer.plan.solvers.hybrid_cp import hybrid_cp_caps, hybrid_cp_plan
+
+        widest = int(np.asarray(D)[first[int(np.argmax(problem.lengths))]])
+        for c in hybrid_cp_caps(problem, widest)[: 3 if n <= 2048 else 1]:
+            if (p := hybrid_cp_plan(problem, c)) is not None:
+                object.__setattr__(p, "solver", "moldable")
+                candidates.append(p)
+        reached = min((p.makespan for p in candidates), default=np.inf)
+    # every sequence whole at home (nothing moves, nothing priced but compute: its makespan is
+    # the unbalanced time): auto is never predicted slower than that; built only when it can win
+    if float(problem.time_before.max()) <= reached * (1 + 2 * problem.options.tie_tolerance):
+        try:
+            candidates.append(build_plan(problem, np.arange(problem.num_ranks)[problem.src_rank], solver="moldable"))
+        except ValueError:  # home breaks the memory cap
+            pass
     if not candidates:
         raise ValueError(
             f"no plan found under max_tokens_per_rank={problem.max_tokens_per_rank} with groups of sizes {list(D)}"

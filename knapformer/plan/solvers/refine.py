@@ -251,6 +251,9 @@ def return_home(
     tok = sum_by(seq_bag[ids], L[ids], B).astype(np.int64) + (0 if base_tok is None else base_tok)
     ceiling = float((load / kap).max()) * (1 + _EPS)
     away = ids[seq_bag[ids] != home[ids]]
+    # only those whose home has room now can go back (other returns only fill homes further;
+    # one that left a home makes room for a later round of settle_home)
+    away = away[(load[home[away]] + w[away]) / kap[home[away]] <= ceiling]
     for g in away[np.argsort(-L[away], kind="stable")].tolist():
         h, b = int(home[g]), int(seq_bag[g])
         if (load[h] + w[g]) / kap[h] > ceiling or not fits_cap(tok[h] + L[g], k[h], cap):
@@ -266,29 +269,41 @@ def return_home(
 def home_among_equals(problem: PlanProblem, seq_bag: np.ndarray, *, movable: np.ndarray | None = None) -> np.ndarray:
     """Sequences of the same length are interchangeable (same work, same tokens): within each
     such class the bags keep their slots, but each bag's slots go first to sequences whose home
-    it is. Every bag's load is unchanged; fewer tokens move (a copy is returned)."""
+    it is. Every bag's load is unchanged; fewer tokens move (a copy is returned). Vectorised
+    over all classes at once (thousands of jittered lengths at 1,024 ranks)."""
     seq_bag = seq_bag.copy()
     ids = np.arange(problem.num_seqs) if movable is None else np.flatnonzero(movable)
     if ids.size < 2:
         return seq_bag
-    home = problem.bag_of_rank[problem.src_rank]
-    L = problem.lengths[ids]
-    lens, counts = np.unique(L, return_counts=True)
+    home = problem.bag_of_rank[problem.src_rank][ids]
+    slots = seq_bag[ids]
+    away = slots != home
+    if not away.any():
+        return seq_bag
+    # only classes with a sequence away from home can change
+    in_play = np.isin(problem.lengths[ids], np.unique(problem.lengths[ids[away]]))
+    ids, home, slots = ids[in_play], home[in_play], slots[in_play]
     B = len(problem.bags)
-    for length in lens[counts > 1].tolist():
-        cls = ids[L == length]  # ascending ids: a stable order
-        slots, homes = seq_bag[cls], home[cls]
-        if (slots == homes).all():
-            continue
-        n_slot = np.bincount(slots, minlength=B)
-        keep = np.minimum(n_slot, np.bincount(homes, minlength=B))
-        order = np.argsort(homes, kind="stable")
-        first = np.searchsorted(homes[order], homes[order], side="left")
-        stays = np.zeros(cls.size, dtype=bool)
-        stays[order] = (np.arange(cls.size) - first) < keep[homes[order]]
-        new = np.where(stays, homes, -1)
-        new[~stays] = np.repeat(np.arange(B), n_slot - keep)  # the other slots, in bag order
-        seq_bag[cls] = new
+    _, cls = np.unique(problem.lengths[ids], return_inverse=True)
+    cls = cls.astype(np.int64)
+    # per (class, bag): slots it has and sequences whose home it is
+    pairs, inv_home = np.unique(np.concatenate([cls * B + home, cls * B + slots]), return_inverse=True)
+    n_home = np.bincount(inv_home[: ids.size], minlength=pairs.size)
+    n_slot = np.bincount(inv_home[ids.size :], minlength=pairs.size)
+    keep = np.minimum(n_home, n_slot)
+    # a sequence stays home if it is among the first keep[(class, home)] of them (id order)
+    key = inv_home[: ids.size]
+    order = np.argsort(key, kind="stable")
+    first = np.searchsorted(key[order], key[order], side="left")
+    stays = np.empty(ids.size, dtype=bool)
+    stays[order] = (np.arange(ids.size) - first) < keep[key[order]]
+    new = np.where(stays, home, -1)
+    # the other sequences of each class take its remaining slots, in bag order
+    rest = np.flatnonzero(~stays)
+    rest = rest[np.argsort(cls[rest], kind="stable")]
+    left = np.repeat(pairs, n_slot - keep)  # sorted by (class, bag)
+    new[rest] = left % B
+    seq_bag[ids] = new
     return seq_bag
 
 

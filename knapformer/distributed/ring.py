@@ -1,0 +1,310 @@
+"""Ring attention across the sub-groups of ring groups: K/V blocks pass around the ring, outputs
+merge by log-sum-exp, dK/dV travel back; exact forward and backward.
+
+A group of k = u·r ranks runs a sequence as r sub-groups of u consecutive members. Ulysses
+inside a sub-group (:mod:`.ulysses`) gives each member its h/u heads of the sub-group's block
+of the sequence (L/r tokens); member t of sub-group s then attends its block's queries to
+every sub-group's block of K/V, which arrive from the members t of the other sub-groups (its
+*ring peers*), and merges the partial outputs by their log-sum-exp (an online softmax,
+:mod:`knapformer.attention.blockwise`). Per-rank attention memory stays O(L/k) tokens: its own
+block, plus the one block in flight.
+
+Rounds. Round 0 is the own block. In round j (1 ≤ j < r) member s sends its own K/V block to
+ring peer s + j and receives the block of peer s − j (mod r), straight from its owner, so no
+round waits on another's arrival. Every rank of the balancing group joins every round of the
+plan's largest ring (``RouteSpec.ring_rounds``): all of a round's blocks, of every ring group
+a rank is in, move in one ``all_to_all_single`` (splits in elements; a rank with nothing to
+move joins with empty splits), and the next round's exchange is issued before the current
+round's blocks are computed, so on a device whose collectives run on their own stream the
+exchange overlaps the block attention it feeds.
+
+Backward: the same K/V rounds again (nothing of the other blocks is kept), each round's
+block gradients dK/dV computed against the queries' final log-sum-exp and sent straight back
+to the block's owner (in the compute dtype: fp32 for fp16/bf16), one exchange per round
+issued as soon as that round's blocks are done and awaited a round later.
+
+Causal: blocks are contiguous in sequence order (sub-group s holds the s-th block), so a
+query block sees earlier blocks whole, its own block causally, and later blocks not at all;
+those blocks are neither sent nor computed. The work is then uneven (sub-group s computes
+s + ½ blocks); diffusion transformers attend bidirectionally, where it is even.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from knapformer.attention.blockwise import aligned_backward, aligned_forward, compute_dtype, merge
+from knapformer.distributed import lifetime
+from knapformer.distributed.ulysses.exchange import AttnBatch
+
+__all__ = ["RingSchedule", "ring_attention", "ring_schedule"]
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """One ring batch's static part."""
+
+    pos: int
+    """This rank's sub-group s."""
+    ring: int
+    peers: tuple[int, ...]
+    """Ring peer (balancing-group rank) of each sub-group."""
+    cu: np.ndarray
+    """(r, n + 1) row bounds of each sub-group's block of each sequence."""
+
+
+@dataclass(frozen=True)
+class RingSchedule:
+    """What every round of one layer call moves (the same on every rank's side of a pair)."""
+
+    rounds: int
+    """The plan's largest ring r: rounds 1 … r − 1 exchange."""
+    batches: tuple[_Batch, ...]
+    sends: tuple[tuple[tuple[int, int], ...], ...]
+    """Per round j ≥ 1: (batch, destination) of each block this rank sends, in send order."""
+    recvs: tuple[tuple[tuple[int, int, int], ...], ...]
+    """Per round j ≥ 1: (batch, source, source sub-group) of each block received, in order."""
+    causal: bool
+
+
+def ring_schedule(batches: list[AttnBatch], rounds: int, world: int, causal: bool) -> RingSchedule:
+    """The rounds of this rank's ring batches (``batch.ring`` set) under a plan whose largest
+    ring has ``rounds`` sub-groups. Blocks to one peer in one round go in batch order, which is
+    the global group order on both sides."""
+    static = []
+    for b in batches:
+        e = b.ring
+        blocks = np.asarray(e.blocks, dtype=np.int64).reshape(e.ring, -1)
+        cu = np.concatenate([np.zeros((e.ring, 1), dtype=np.int64), np.cumsum(blocks, axis=1)], axis=1)
+        static.append(_Batch(pos=e.ring_pos, ring=e.ring, peers=e.ring_peers, cu=cu))
+    sends, recvs = [], []
+    for j in range(1, rounds):
+        out, inc = [], []
+        for i, b in enumerate(static):
+            if j >= b.ring:
+                continue
+            dst, src = (b.pos + j) % b.ring, (b.pos - j) % b.ring
+            if not causal or b.pos < dst:  # a causal query block never sees a later block
+                out.append((i, b.peers[dst]))
+            if not causal or src < b.pos:
+                inc.append((i, b.peers[src], src))
+        sends.append(tuple(sorted(out, key=lambda t: t[1])))  # by destination rank, batch order kept
+        recvs.append(tuple(sorted(inc, key=lambda t: t[1])))
+    del world
+    return RingSchedule(rounds, tuple(static), tuple(sends), tuple(recvs), causal)
+
+
+def _rows(b: _Batch, sub: int) -> int:
+    return int(b.cu[sub, -1])
+
+
+class _Exchange:
+    """One round's all-to-all, issued asynchronously; :meth:`wait` gives the received blocks."""
+
+    def __init__(
+        self,
+        sched: RingSchedule,
+        j: int,
+        blocks: list[torch.Tensor],
+        widths: list[int],
+        world: int,
+        group,
+        dtype: torch.dtype,
+        device,
+        reverse: bool = False,
+    ):
+        sends, recvs = sched.sends[j - 1], sched.recvs[j - 1]
+        # reverse: gradients go back to the block owners (what was received is sent, and vice versa)
+        out_parts = [(i, peer) for i, peer, _ in recvs] if reverse else list(sends)
+        in_parts = [(i, peer, sub) for i, peer in sends for sub in [sched.batches[i].pos]] if reverse else list(recvs)
+        send_split, recv_split = [0] * world, [0] * world
+        for n, (_, peer) in enumerate(out_parts):
+            send_split[peer] += blocks[n].numel()
+        self.pieces = []
+        for i, peer, sub in in_parts:
+            n = _rows(sched.batches[i], sub) * widths[i]
+            recv_split[peer] += n
+            self.pieces.append((i, n))
+        tensors = [blocks[n].reshape(-1) for n in range(len(out_parts))]
+        self.send = torch.cat(tensors).to(dtype) if tensors else torch.zeros(0, dtype=dtype, device=device)
+        self.recv = self.send.new_empty(sum(recv_split))
+        self.work = lifetime.collective(
+            lambda: dist.all_to_all_single(
+                self.recv,
+                self.send,
+                output_split_sizes=recv_split,
+                input_split_sizes=send_split,
+                group=group,
+                async_op=True,
+            ),
+            (self.recv, self.send),
+        )
+        self.in_parts = in_parts
+
+    def wait(self) -> list[tuple[int, int, torch.Tensor]]:
+        """(batch, source sub-group, flat block) of every received block."""
+        self.work.wait()
+        out, off = [], 0
+        for (i, _, sub), (_, n) in zip(self.in_parts, self.pieces):
+            out.append((i, sub, self.recv[off : off + n]))
+            off += n
+        self.work = self.send = None
+        return out
+
+
+def _kv_flat(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.cat([k.flatten(1), v.flatten(1)], dim=1)
+
+
+def _kv_split(flat: torch.Tensor, rows: int, hkv: int, d: int, dv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    kv = flat.view(rows, hkv * (d + dv))
+    return kv[:, : hkv * d].unflatten(1, (hkv, d)), kv[:, hkv * d :].unflatten(1, (hkv, dv))
+
+
+def _pairs(b: _Batch, src: int):
+    """Per sequence: (query rows, key rows of sub-group ``src``'s block, same block) where both
+    are non-empty."""
+    for i in range(b.cu.shape[1] - 1):
+        q0, q1, k0, k1 = int(b.cu[b.pos, i]), int(b.cu[b.pos, i + 1]), int(b.cu[src, i]), int(b.cu[src, i + 1])
+        if q1 > q0 and k1 > k0:
+            yield slice(q0, q1), slice(k0, k1), src == b.pos
+
+
+class _RingAttention(torch.autograd.Function):
+    """Ring batches' (q, k, v) -> outputs; ``through`` (one tensor) passes unchanged so that a
+    rank without ring batches still runs the backward rounds the others run."""
+
+    @staticmethod
+    def forward(ctx, sched: RingSchedule, world: int, group, through, *qkv):  # type: ignore[override]
+        n = len(sched.batches)
+        qs, ks, vs = qkv[:n], qkv[n : 2 * n], qkv[2 * n :]
+        dtype, device = through.dtype, through.device  # q's dtype on every rank (agreed)
+        widths = [k.shape[1] * (k.shape[2] + v.shape[2]) for k, v in zip(ks, vs)]
+        own = [_kv_flat(k, v) for k, v in zip(ks, vs)]
+
+        def exchange(j: int) -> _Exchange:
+            return _Exchange(sched, j, [own[i] for i, _ in sched.sends[j - 1]], widths, world, group, dtype, device)
+
+        pending = exchange(1) if sched.rounds > 1 else None
+        outs, lses = [], []
+        for b, q, k, v in zip(sched.batches, qs, ks, vs):
+            dt = compute_dtype(q)
+            o = torch.zeros((q.shape[0], q.shape[1], v.shape[2]), dtype=dt, device=device)
+            lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=dt, device=device)
+            _forward_pairs(b, b.pos, q, k, v, o, lse, sched.causal)
+            outs.append(o)
+            lses.append(lse)
+        for j in range(1, sched.rounds):
+            got = pending.wait()
+            pending = None
+            if j + 1 < sched.rounds:
+                pending = exchange(j + 1)
+            for i, sub, flat in got:
+                b, q, v = sched.batches[i], qs[i], vs[i]
+                kk, vv = _kv_split(flat, _rows(b, sub), ks[i].shape[1], ks[i].shape[2], v.shape[2])
+                _forward_pairs(b, sub, q, kk, vv, outs[i], lses[i], sched.causal)
+        ctx.sched, ctx.world, ctx.group = sched, world, group
+        ctx.save_for_backward(*qs, *ks, *vs, *outs, *lses)
+        results = [o.to(dtype) for o in outs]
+        return (*results, through.view_as(through))
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        sched, world, group = ctx.sched, ctx.world, ctx.group
+        n = len(sched.batches)
+        saved = ctx.saved_tensors
+        qs, ks, vs, outs, lses = (saved[i * n : (i + 1) * n] for i in range(5))
+        dos, d_through = grads[:n], grads[n]
+        dtype, device = d_through.dtype, d_through.device
+        gdtype = compute_dtype(d_through)  # block gradients travel in the compute dtype
+        widths = [k.shape[1] * (k.shape[2] + v.shape[2]) for k, v in zip(ks, vs)]
+        own = [_kv_flat(k, v) for k, v in zip(ks, vs)]
+
+        def exchange(j: int) -> _Exchange:
+            return _Exchange(sched, j, [own[i] for i, _ in sched.sends[j - 1]], widths, world, group, dtype, device)
+
+        deltas = [(do.to(o.dtype) * o).sum(-1).transpose(0, 1) for do, o in zip(dos, outs)]
+        dq = [torch.zeros(q.shape, dtype=compute_dtype(q), device=device) for q in qs]
+        dk = [torch.zeros(k.shape, dtype=compute_dtype(q), device=device) for q, k in zip(qs, ks)]
+        dv = [torch.zeros(v.shape, dtype=compute_dtype(q), device=device) for q, v in zip(qs, vs)]
+        pending = exchange(1) if sched.rounds > 1 else None
+        for i, b in enumerate(sched.batches):
+            _backward_pairs(
+                b, b.pos, qs[i], ks[i], vs[i], dos[i], outs[i], lses[i], deltas[i], dq[i], dk[i], dv[i], sched.causal
+            )
+        grads_back: _Exchange | None = None
+        for j in range(1, sched.rounds):
+            got = pending.wait()
+            pending = None
+            if j + 1 < sched.rounds:
+                pending = exchange(j + 1)
+            partials = []
+            for i, sub, flat in got:
+                b = sched.batches[i]
+                rows = _rows(b, sub)
+                kk, vv = _kv_split(flat, rows, ks[i].shape[1], ks[i].shape[2], vs[i].shape[2])
+                pk = torch.zeros(kk.shape, dtype=gdtype, device=device)
+                pv = torch.zeros(vv.shape, dtype=gdtype, device=device)
+                _backward_pairs(b, sub, qs[i], kk, vv, dos[i], outs[i], lses[i], deltas[i], dq[i], pk, pv, sched.causal)
+                partials.append(_kv_flat(pk, pv))
+            if grads_back is not None:
+                _add_partials(grads_back.wait(), dk, dv, ks, vs)
+            grads_back = _Exchange(sched, j, partials, widths, world, group, gdtype, device, reverse=True)
+        if grads_back is not None:
+            _add_partials(grads_back.wait(), dk, dv, ks, vs)
+        dqs = [g.to(q.dtype) for g, q in zip(dq, qs)]
+        dks = [g.to(k.dtype) for g, k in zip(dk, ks)]
+        dvs = [g.to(v.dtype) for g, v in zip(dv, vs)]
+        return None, None, None, d_through, *dqs, *dks, *dvs
+
+
+def _forward_pairs(b: _Batch, src: int, q, k, v, o, lse, causal: bool) -> None:
+    for qr, kr, diagonal in _pairs(b, src):
+        ob, lb = aligned_forward(q[qr], k[kr], v[kr], causal=causal and diagonal)
+        o[qr], lse[:, qr] = merge(o[qr], lse[:, qr], ob, lb)
+
+
+def _backward_pairs(b: _Batch, src: int, q, k, v, do, o, lse, delta, dq, dk, dv, causal: bool) -> None:
+    for qr, kr, diagonal in _pairs(b, src):
+        gq, gk, gv = aligned_backward(
+            q[qr], k[kr], v[kr], do[qr], o[qr], lse[:, qr], delta[:, qr], causal=causal and diagonal
+        )
+        dq[qr] += gq
+        dk[kr] += gk
+        dv[kr] += gv
+
+
+def _add_partials(got, dk, dv, ks, vs) -> None:
+    """Block gradients received from the ring peers that used this rank's K/V: add them up."""
+    for i, _, flat in got:
+        rows, hkv, d, e = ks[i].shape[0], ks[i].shape[1], ks[i].shape[2], vs[i].shape[2]
+        gk, gv = _kv_split(flat, rows, hkv, d, e)
+        dk[i] += gk
+        dv[i] += gv
+
+
+def ring_attention(
+    batches: list[AttnBatch], outs: list, anchor: torch.Tensor | None, rounds: int, world: int, group, causal: bool
+) -> tuple[list, torch.Tensor | None]:
+    """Complete the ring batches of one layer: ``outs`` (per batch, None for ring batches)
+    gets their outputs; every rank joins all ``rounds`` of the plan. Returns the outputs and
+    the anchor to hand to the post exchange (the ring's pass-through, so that the backward
+    rounds run on every rank)."""
+    ring = [i for i, b in enumerate(batches) if b.ring is not None]
+    others = [i for i, b in enumerate(batches) if b.ring is None and b.degree > 1]
+    sched = ring_schedule([batches[i] for i in ring], rounds, world, causal)
+    through_index = others[0] if others else None
+    through = outs[through_index] if through_index is not None else anchor
+    qkv = [batches[i].q for i in ring] + [batches[i].k for i in ring] + [batches[i].v for i in ring]
+    res = _RingAttention.apply(sched, world, group, through, *qkv)
+    outs = list(outs)
+    for i, o in zip(ring, res[: len(ring)]):
+        outs[i] = o
+    if through_index is not None:
+        outs[through_index] = res[-1]
+        return outs, anchor
+    return outs, res[-1]

@@ -1,0 +1,141 @@
+"""Workers for the ring-attention tests: plans whose groups run as rings of Ulysses sub-groups
+(k = u·r ranks, any k), next to Ulysses-only and one-rank groups on the same ranks. Every rank
+builds the same random plans from a seed and compares with one-process per-sequence math."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from knapformer import SequenceBalancer, WorkloadModel
+from knapformer.errors import InvalidPlanError
+from knapformer.plan import plan_from_groups
+from tests import group_workers as G
+
+MODEL = WorkloadModel(d_model=48)
+
+
+def legal_rings(k: int, h: int, h_kv: int) -> list[int]:
+    """Every r dividing k whose u = k/r splits h query and h_kv kv heads."""
+    out = []
+    for r in range(1, k + 1):
+        u = k // r
+        if k % r == 0 and h % u == 0 and (h_kv % u == 0 or u % h_kv == 0):
+            out.append(r)
+    return out
+
+
+def random_ring_plan(world: int, seed: int, sizes, h: int, h_kv: int, force_ring: bool = True):
+    """Lengths with empty ranks, 1-token, (k−1)-token and odd ones; each sequence on a random
+    ordered group of a size from ``sizes`` run as a random legal ring (r > 1 when some r > 1 is
+    legal and ``force_ring``), so ring, Ulysses-only and one-rank groups share ranks. The last
+    sequence of rank 0 is long and on every rank as the largest legal ring."""
+    rng = np.random.default_rng(seed)
+    kmax = max(sizes)
+    pool = [1, 2, kmax - 1, kmax + 1, 7, int(rng.integers(8, 60))]
+    lens = [[int(rng.choice(pool)) or 1 for _ in range(int(rng.integers(0, 4)))] for _ in range(world)]
+    lens[world - 1] = lens[world - 1][:1]
+    lens[0] += [97]
+    groups, rings, seq_group = [], [], []
+
+    def group_id(members, r):
+        key = (tuple(int(m) for m in members), int(r))
+        if key not in list(zip(groups, rings)):
+            groups.append(key[0])
+            rings.append(key[1])
+        return list(zip(groups, rings)).index(key)
+
+    n = sum(map(len, lens))
+    for g in range(n):
+        if g == len(lens[0]) - 1:  # the long one: all ranks, the largest ring
+            members = tuple(int(m) for m in rng.permutation(world))
+            r = max(legal_rings(world, h, h_kv))
+        else:
+            k = int(rng.choice(sizes))
+            members = tuple(int(m) for m in rng.permutation(world)[:k])
+            legal = legal_rings(k, h, h_kv)
+            ring_ones = [x for x in legal if x > 1]
+            r = int(rng.choice(ring_ones if (force_ring and ring_ones and rng.random() < 0.7) else legal))
+        seq_group.append(group_id(members, r))
+    return plan_from_groups(lens, groups, seq_group, MODEL, ring=rings)
+
+
+def check_ring_plans(rank: int, world: int, configs, steps: int, seed: int) -> dict:
+    """For each (h, h_kv, sizes): ``steps`` random ring plans; round trips, attention (causal
+    and not), layer gradients and cross-attention equal one process (fp64, 1e-10), with value
+    heads wider than the query heads (tiled block math) and as wide (PyTorch's fused CPU
+    kernel); the custom-kernel path refuses ring plans on every rank."""
+    bal = SequenceBalancer(f"g1n{world}", MODEL)
+    seen = {"ring_rounds": set(), "u": set(), "mixed": False, "empty_block": False}
+    for c, (h, h_kv, sizes) in enumerate(configs):
+        for step in range(steps):
+            plan = random_ring_plan(world, seed + 100 * c + step, sizes, h, h_kv)
+            plan.validate()
+            bal.use_plan(plan)
+            seen_step = {"mixed_rank": False, "idle_rank": False}
+            dv_extra = 2 * (step % 2)  # even steps: Dv == D (PyTorch's fused CPU kernel); odd: tiled math
+            G._check_step(bal, plan, rank, h, h_kv, seed + step, seen_step, custom_kernel=False, dv_extra=dv_extra)
+            spec = bal.spec
+            seen["ring_rounds"].add(spec.ring_rounds)
+            rings = [e for e in spec.entries if e.ring > 1]
+            seen["u"] |= {e.u for e in rings}
+            seen["mixed"] |= bool(rings) and any(e.ring == 1 for e in spec.entries)
+            seen["empty_block"] |= any(0 in e.blocks[e.ring_pos] for e in rings)
+            if spec.ring_rounds > 1:
+                y = bal.route(torch.zeros(sum(plan.seq_lens[rank]), h, 2, dtype=torch.float64))
+                try:
+                    bal.pre_attn(y, y, y)
+                except InvalidPlanError as exc:
+                    assert "ring attention" in str(exc)
+                else:
+                    raise AssertionError("pre_attn ran a ring plan")
+    seen["ring_rounds"] = sorted(seen["ring_rounds"])
+    seen["u"] = sorted(seen["u"])
+    return seen
+
+
+def check_bad_ring_plans(rank: int, world: int) -> list[str]:
+    """A ring the heads cannot serve, and a ring that does not divide its group, raise the same
+    clear error on every rank before any data moves."""
+    bal = SequenceBalancer(f"g1n{world}", MODEL)
+    lens = [[40]] + [[]] * (world - 1)
+    msgs = []
+    members = tuple(range(world))
+    # 4 ranks as 2 × 2 with 3 heads: 2 does not split 3 heads
+    plan = plan_from_groups(lens, [members], [0], MODEL, ring=[world // 2])
+    bal.use_plan(plan)
+    y = bal.route(torch.zeros(40 if rank == 0 else 0, 3, 2))
+    try:
+        bal.attention(y, y, y)
+    except InvalidPlanError as exc:
+        msgs.append(str(exc))
+    else:
+        raise AssertionError("a ring whose sub-groups cannot split the heads ran")
+    assert f"as a ring of {world // 2} × 2 cannot split 3 attention heads 2 ways" in msgs[-1], msgs[-1]
+    # GQA: 4 q / 3 kv heads is not a valid head configuration at all; 6 q / 3 kv on u = 2 is not shareable
+    y6, y3 = torch.zeros(y.shape[0], 6, 2), torch.zeros(y.shape[0], 3, 2)
+    try:
+        bal.attention(y6, y3, y3)
+    except InvalidPlanError as exc:
+        msgs.append(str(exc))
+    else:
+        raise AssertionError("a ring whose sub-groups cannot share the kv heads ran")
+    assert "cannot share 3 kv heads (h=6) 2 ways" in msgs[-1], msgs[-1]
+    # a ring that does not divide the group
+    try:
+        bal.use_plan(plan_from_groups(lens, [members], [0], MODEL, ring=[world + 1]))
+    except (InvalidPlanError, ValueError) as exc:
+        msgs.append(str(exc))
+    else:
+        raise AssertionError("a ring that does not divide its group was accepted")
+    assert "must be an int >= 1 dividing" in msgs[-1], msgs[-1]
+    # the balancer still works after the errors: the same plan with a legal ring
+    bal.use_plan(plan_from_groups(lens, [members], [0], MODEL, ring=[world]))
+    q = bal.route(torch.randn(40 if rank == 0 else 0, 3, 2, dtype=torch.float64))
+    bal.attention(q, q, q)
+    return msgs
+
+
+def check_ring_plans_and_bad_ones(rank: int, world: int, configs, steps: int, seed: int) -> tuple[dict, list[str]]:
+    """:func:`check_ring_plans`, then :func:`check_bad_ring_plans` in the same processes."""
+    return check_ring_plans(rank, world, configs, steps, seed), check_bad_ring_plans(rank, world)
