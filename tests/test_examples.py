@@ -34,3 +34,10 @@ def test_balance_attention_runs_on_three_ranks():
     assert proc.returncode == 0, proc.stderr[-3000:]
     errors = [float(line.rsplit(" ", 1)[1]) for line in proc.stdout.splitlines() if "max error" in line]
     assert len(errors) == 3 and max(errors) < 1e-5, proc.stdout
+
+
+def test_sampler_example_trains_two_epochs_on_two_ranks():
+    proc = _torchrun("sampler_train.py", 2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = [line for line in proc.stdout.splitlines() if line.startswith("epoch 1: ")]
+    assert steps and "epoch 1 step 0: global mean loss" in proc.stdout, proc.stdout[-1000:]

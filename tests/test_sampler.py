@@ -1,0 +1,229 @@
+"""TokenBudgetBatchSampler and PackedCollate: each sample once per epoch, budgets kept, equal
+steps per rank, the same batches in every process, exact resume; packing round trips."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader, Dataset
+
+from knapformer.data import PackedCollate, TokenBudgetBatchSampler, pack_batches
+
+lengths_st = st.lists(st.integers(1, 300), min_size=0, max_size=120)
+
+
+def _all_ranks(lengths, world, **kw):
+    samplers = [TokenBudgetBatchSampler(lengths, num_replicas=world, rank=r, **kw) for r in range(world)]
+    return samplers, [list(s) for s in samplers]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    lengths=lengths_st,
+    world=st.integers(1, 6),
+    budget=st.integers(300, 1200),
+    max_samples=st.none() | st.integers(1, 5),
+    nbuckets=st.integers(0, 4),
+    shuffle=st.booleans(),
+    drop_last=st.booleans(),
+    seed=st.integers(0, 3),
+    epoch=st.integers(0, 3),
+)
+def test_every_sample_once_budgets_kept_and_equal_steps(
+    lengths, world, budget, max_samples, nbuckets, shuffle, drop_last, seed, epoch
+):
+    buckets = None if nbuckets == 0 else [n % nbuckets for n in lengths]
+    kw = dict(max_tokens=budget, max_samples=max_samples, buckets=buckets, shuffle=shuffle, drop_last=drop_last)
+    samplers, _ = _all_ranks(lengths, world, seed=seed, **kw)
+    for s in samplers:
+        s.set_epoch(epoch)
+    per_rank = [list(s) for s in samplers]
+    steps = {len(b) for b in per_rank} | {len(s) for s in samplers}
+    assert len(steps) == 1, "every rank runs the same number of steps"
+    seen = [i for batches in per_rank for b in batches for i in b]
+    assert len(seen) == len(set(seen)), "no sample twice in an epoch"
+    if not drop_last:
+        assert sorted(seen) == list(range(len(lengths))), "every sample once"
+    else:  # only the trailing batches that do not fill a step are dropped: < world batches
+        dropped = set(range(len(lengths))) - set(seen)
+        assert sum(lengths[i] for i in dropped) <= (world - 1) * budget
+    for batches in per_rank:
+        for b in batches:
+            assert sum(lengths[i] for i in b) <= budget
+            if max_samples is not None:
+                assert len(b) <= max_samples
+            if buckets is not None:
+                assert len({buckets[i] for i in b}) <= 1, "one bucket per batch"
+
+
+def test_empty_batches_only_when_nothing_can_split():
+    # 5 one-sample-fitting samples, 4 ranks: 2 batches of 2+3 samples get split to fill the step
+    s = TokenBudgetBatchSampler([10] * 5, 1000, num_replicas=4, rank=0, shuffle=False)
+    step = s.steps()[0]
+    assert sorted(len(b) for b in step) == [1, 1, 1, 2] and sorted(i for b in step for i in b) == list(range(5))
+    # 2 samples on 3 ranks: one rank gets an empty batch
+    s = TokenBudgetBatchSampler([10, 10], 1000, num_replicas=3, rank=2, shuffle=False)
+    assert sorted(len(b) for b in s.steps()[0]) == [0, 1, 1]
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=lengths_st, world=st.integers(1, 4), cut=st.integers(0, 50), seed=st.integers(0, 5))
+def test_resume_mid_epoch_yields_the_remaining_batches_exactly(lengths, world, cut, seed):
+    for rank in range(world):
+        a = TokenBudgetBatchSampler(lengths, 500, num_replicas=world, rank=rank, seed=seed)
+        a.set_epoch(2)
+        full = list(a)
+        done = min(cut, len(full))
+        state = json.loads(json.dumps(a.state_dict(steps_done=done)))  # survives a checkpoint file
+        b = TokenBudgetBatchSampler(lengths, 500, num_replicas=world, rank=rank, seed=seed)
+        b.load_state_dict(state)
+        assert len(b) == len(full) - done
+        assert list(b) == full[done:]
+        assert list(b) == full, "the next pass is a whole epoch again"
+
+
+def test_resume_refuses_a_different_sampler():
+    a = TokenBudgetBatchSampler([5, 6, 7], 10, num_replicas=2, rank=0)
+    state = a.state_dict(steps_done=1)
+    for other in (
+        TokenBudgetBatchSampler([5, 6, 8], 10, num_replicas=2, rank=0),
+        TokenBudgetBatchSampler([5, 6, 7], 11, num_replicas=2, rank=0),
+        TokenBudgetBatchSampler([5, 6, 7], 10, num_replicas=3, rank=0),
+        TokenBudgetBatchSampler([5, 6, 7], 10, num_replicas=2, rank=0, seed=1),
+    ):
+        with pytest.raises(ValueError, match="other lengths"):
+            other.load_state_dict(state)
+    with pytest.raises(ValueError, match="steps_done"):
+        a.state_dict(steps_done=99)
+
+
+def test_epochs_differ_and_seeds_repeat():
+    lens = list(np.random.default_rng(0).integers(1, 200, 400))
+    s = TokenBudgetBatchSampler(lens, 600, num_replicas=2, rank=1, seed=7)
+    e0 = list(s)
+    s.set_epoch(1)
+    assert list(s) != e0
+    s.set_epoch(0)
+    assert list(s) == e0
+    assert list(TokenBudgetBatchSampler(lens, 600, num_replicas=2, rank=1, seed=8)) != e0
+
+
+def test_identical_batches_in_another_process():
+    lens = [int(x) for x in np.random.default_rng(1).integers(1, 900, 300)]
+    keys = [f"{n % 3}x{n % 5}" for n in lens]  # string keys: hash randomisation must not matter
+    code = (
+        "import json,sys; from knapformer.data import TokenBudgetBatchSampler as T; a=json.loads(sys.argv[1]);"
+        "s=T(a['l'],1000,buckets=a['k'],num_replicas=3,rank=2,seed=4); s.set_epoch(5); print(json.dumps(list(s)))"
+    )
+    env = {**os.environ, "PYTHONHASHSEED": "123"}
+    out = subprocess.run(
+        [sys.executable, "-c", code, json.dumps({"l": lens, "k": keys})],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=True,
+    ).stdout
+    here = TokenBudgetBatchSampler(lens, 1000, buckets=keys, num_replicas=3, rank=2, seed=4)
+    here.set_epoch(5)
+    assert json.loads(out) == list(here)
+
+
+def test_oversize_samples():
+    with pytest.raises(ValueError, match="sample 2 has 50 tokens, more than max_tokens=40"):
+        TokenBudgetBatchSampler([10, 20, 50, 5], 40, num_replicas=1, rank=0)
+    s = TokenBudgetBatchSampler([10, 20, 50, 5], 40, num_replicas=1, rank=0, oversize="alone", shuffle=False)
+    assert list(s) == [[2], [0, 1, 3]]  # the long one alone; the rest packs around it
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(lengths=[1, 0, 2], max_tokens=5), "sample 1 has 0 tokens"),
+        (dict(lengths=[1, 2], max_tokens=0), "max_tokens must be a positive int"),
+        (dict(lengths=[1, 2], max_tokens=5, max_samples=0), "max_samples"),
+        (dict(lengths=[1.5, 2], max_tokens=5), "whole token counts"),
+        (dict(lengths=[[1, 2]], max_tokens=5), "one token count per sample"),
+        (dict(lengths=lambda i: 3, max_tokens=5), "num_samples"),
+        (dict(lengths=[1, 2], max_tokens=5, buckets=[0]), "buckets has 1 keys for 2 samples"),
+        (dict(lengths=[1, 2], max_tokens=5, oversize="drop"), "oversize"),
+        (dict(lengths=[1, 2], max_tokens=5, num_replicas=2, rank=2), "rank must be in"),
+    ],
+)
+def test_bad_arguments_raise_clearly(kwargs, match):
+    kwargs.setdefault("num_replicas", 1)
+    kwargs.setdefault("rank", 0)
+    with pytest.raises(ValueError, match=match):
+        TokenBudgetBatchSampler(**kwargs)
+
+
+def test_callable_lengths_and_pack_batches():
+    s = TokenBudgetBatchSampler(lambda i: i + 1, 6, num_samples=5, num_replicas=1, rank=0, shuffle=False)
+    assert list(s) == [[0, 1, 2], [3], [4]]
+    assert pack_batches([0, 1, 2, 3], np.array([3, 3, 3, 3]), 6, max_samples=1) == [[0], [1], [2], [3]]
+
+
+# -- collate ---------------------------------------------------------------------------------------------
+class _Toy(Dataset):
+    def __init__(self, lens):
+        self.lens = lens
+
+    def __len__(self):
+        return len(self.lens)
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        n = self.lens[i]
+        return {
+            "tokens": torch.randn(n, 4, generator=g),
+            "text": torch.randint(0, 9, (i % 3 + 1,), generator=g),
+            "t": torch.tensor(i / 10),
+            "vec": torch.full((2,), float(i)),
+            "name": f"s{i}",
+        }
+
+
+def test_collate_packs_and_round_trips():
+    ds = _Toy([3, 1, 5])
+    batch = PackedCollate(("tokens", "text"))([ds[0], ds[1], ds[2]])
+    assert batch["seq_lens"] == [3, 1, 5] and batch["text_lens"] == [1, 2, 3]
+    assert batch["tokens"].shape == (9, 4) and batch["vec"].shape == (3, 2) and batch["t"].shape == (3,)
+    assert batch["name"] == ["s0", "s1", "s2"]
+    for i, part in enumerate(batch["tokens"].split(batch["seq_lens"])):
+        assert torch.equal(part, ds[i]["tokens"])
+    for i, part in enumerate(batch["text"].split(batch["text_lens"])):
+        assert torch.equal(part, ds[i]["text"])
+
+
+def test_collate_errors_and_empty_batches():
+    ds = _Toy([3, 1])
+    with pytest.raises(ValueError, match="example="):
+        PackedCollate(("tokens", "text"))([])
+    empty = PackedCollate(("tokens", "text"), example=ds[0])([])
+    assert empty["tokens"].shape == (0, 4) and empty["seq_lens"] == [] and empty["vec"].shape == (0, 2)
+    with pytest.raises(ValueError, match="cannot be stacked"):
+        PackedCollate(("tokens",))([ds[0], ds[1]])  # "text" varies in length but is not packed
+    with pytest.raises(KeyError, match="latents"):
+        PackedCollate(("latents",))([ds[0]])
+    bad = dict(ds[1], tokens=torch.zeros(2, 5))
+    with pytest.raises(ValueError, match="only the first"):
+        PackedCollate(("tokens", "text"))([ds[0], bad])
+
+
+def test_dataloader_with_workers_gives_the_same_batches():
+    lens = [int(x) for x in np.random.default_rng(2).integers(1, 40, 60)]
+    ds = _Toy(lens)
+    sampler = TokenBudgetBatchSampler(lens, 100, num_replicas=2, rank=1, seed=3)
+    collate = PackedCollate(("tokens", "text"), example=ds[0])
+    plain = list(DataLoader(ds, batch_sampler=sampler, collate_fn=collate))
+    workers = list(DataLoader(ds, batch_sampler=sampler, collate_fn=collate, num_workers=2))
+    assert len(plain) == len(workers) == len(sampler)
+    for a, b in zip(plain, workers):
+        assert a["seq_lens"] == b["seq_lens"] and torch.equal(a["tokens"], b["tokens"])
+        assert sum(a["seq_lens"]) <= 100
