@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo plan-demo test bench clean
+.PHONY: setup demo plan-demo test docs bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -29,9 +29,13 @@ test: setup
 	$(PY) -m ruff check knapformer tests benchmarks examples
 	$(PY) -m pytest -q
 
+# The documentation site (MkDocs + Material + mkdocstrings) into site/; warnings fail the build.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
 bench: setup
 	$(PY) benchmarks/plan_quality.py
 	$(PY) benchmarks/plan_latency.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .hypothesis
+	rm -rf $(VENV) runs site .pytest_cache .hypothesis

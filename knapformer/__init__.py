@@ -10,7 +10,7 @@ the errors the balancer raises on every rank.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from knapformer.config import BalancerConfig
 from knapformer.errors import (
@@ -23,6 +23,10 @@ from knapformer.errors import (
 from knapformer.layout import AutoLayout, BagLayout, parse_layout
 from knapformer.plan import SOLVERS, Plan, PlanProblem, plan_sequences
 from knapformer.workload import WorkloadModel
+
+if TYPE_CHECKING:  # for type checkers and the API reference; at run time imported on first use
+    from knapformer.distributed.balancer import SequenceBalancer
+    from knapformer.executor import LocalExecutor
 
 __all__ = [
     "SOLVERS",

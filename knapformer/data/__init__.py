@@ -6,6 +6,8 @@ Main API: :data:`MIXES`, :func:`sample_seq_lens`, :func:`sample_batches`, :func:
 :func:`knapformer.data.batches.make_batch` build torch tensors (imported on use).
 """
 
+from typing import TYPE_CHECKING
+
 from knapformer.data.codes import (
     MIXES,
     DataCode,
@@ -16,6 +18,9 @@ from knapformer.data.codes import (
     sample_seq_lens,
 )
 from knapformer.data.sampler import TokenBudgetBatchSampler, pack_batches
+
+if TYPE_CHECKING:  # for type checkers and the API reference; needs torch, imported on use
+    from knapformer.data.collate import PackedCollate
 
 __all__ = [
     "MIXES",

@@ -71,6 +71,7 @@ def resolve_mix(name_or_codes: str) -> list[DataCode]:
 
 
 def mix_num_ranks(codes: list[DataCode]) -> int:
+    """The number of ranks a mix describes (the sum of its codes' rank counts)."""
     return sum(c.ranks for c in codes)
 
 
