@@ -42,13 +42,9 @@ class LayoutResult:
 
 def _bar(items, desc: str, enabled: bool):
     """A tqdm bar when asked for and stderr is a TTY (the cluster model is otherwise silent)."""
-    if not enabled:
-        return items
-    import sys
+    from knapformer.tools.cli_support import progress
 
-    from tqdm.auto import tqdm
-
-    return tqdm(items, desc=desc, disable=None, leave=False, file=sys.stderr)
+    return progress(items, desc=desc, enabled=enabled)
 
 
 def bag_sizes_for(heads: int, gpus_per_node: int, num_gpus: int, allow_cross_node: bool) -> list[int]:

@@ -22,6 +22,9 @@ if TYPE_CHECKING:  # Plan.plot imports this module lazily; no runtime circle
 
 __all__ = ["plot_plan"]
 
+_KEY_SEQS = 10
+"""Sequences named in the colour key (the longest ones)."""
+
 
 def _shares(plan: Plan):
     """(rank, sequence id, cost, at home) for every member of every sequence's group."""
@@ -61,8 +64,13 @@ def plot_plan(plan: Plan, path: str | Path, *, title: str | None = None) -> None
     for m, _, c, _, _ in shares:
         compute[m] += c
     unit_scale = 1.0 if plan.cost_model is not None else (plan.time_after.sum() / max(compute.sum(), 1e-300))
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.22 * S + 2), 4.2))
-    cmap = plt.get_cmap("tab20")
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.22 * S + 2) + 3.2, 4.6))
+    tab = plt.get_cmap("tab20")
+    palette = [tab(i) for i in range(20) if i not in (14, 15)]  # the greys are for exchanges
+
+    def cmap(g: int):
+        return palette[g % len(palette)]
+
     bottom = np.zeros(S)
     width = 0.8
     for m, g, c, home, k in sorted(shares, key=lambda x: (x[0], x[1])):
@@ -72,7 +80,7 @@ def plot_plan(plan: Plan, path: str | Path, *, title: str | None = None) -> None
             h,
             width,
             bottom=bottom[m],
-            color=cmap(g % 20),
+            color=cmap(g),
             linewidth=1.2 if k > 1 else 0.3,
             edgecolor="black" if k > 1 else "white",
             hatch=None if home else "///",
@@ -89,13 +97,14 @@ def plot_plan(plan: Plan, path: str | Path, *, title: str | None = None) -> None
     if S <= 32:
         ax.set_xticks(range(S))
     st = plan.stats()
-    ax.set_title(
-        title
-        or f"{plan.solver}: {S} ranks, {len(plan.seq_group)} sequences, imbalance {st['imbalance_before']:.3f} -> "
-        f"{st['imbalance_after']:.3f}, makespan/bound {st['gap_to_bound']:.4f}",
-        fontsize=9,
+    stats = (
+        f"{plan.solver}: {S} ranks, {len(plan.seq_group)} sequences, imbalance {st['imbalance_before']:.3f} -> "
+        f"{st['imbalance_after']:.3f}, makespan/bound {st['gap_to_bound']:.4f}"
     )
-    ax.legend(
+    ax.set_title(f"{title}\n{stats}" if title else stats, fontsize=9)
+    # keys beside the axes, never over the bars: what the marks mean, then which colour is which
+    # sequence (the longest ones; colours cycle after 18)
+    marks = ax.legend(
         handles=[
             Patch(facecolor="white", edgecolor="black", linewidth=1.2, label="multi-rank group"),
             Patch(facecolor="white", edgecolor="0.4", hatch="///", label="away from its source rank"),
@@ -103,7 +112,35 @@ def plot_plan(plan: Plan, path: str | Path, *, title: str | None = None) -> None
             plt.Line2D([0], [0], color="black", linestyle="--", label="lower bound"),
         ],
         fontsize=7,
-        loc="upper right",
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+        borderaxespad=0.0,
+    )
+    ax.add_artist(marks)
+    index = plan.index
+    lengths = index.lengths
+    shown = sorted(range(len(lengths)), key=lambda g: (-int(lengths[g]), g))[:_KEY_SEQS]
+    ring = getattr(plan, "rings", None)
+    keys = []
+    for g in sorted(shown):
+        b = int(plan.seq_group[g])
+        k = len(plan.groups[b])
+        if k == 1:
+            where = f"rank {plan.groups[b][0]}"
+        else:
+            where = f"{k} ranks" + (f", ring {int(ring[b])}" if ring is not None and int(ring[b]) > 1 else "")
+        label = f"seq {g}: {int(lengths[g])} tok, rank {int(index.src_rank[g])} -> {where}"
+        keys.append(Patch(facecolor=cmap(g), label=label))
+    more = len(lengths) - len(shown)
+    title_keys = "colour = sequence" + (f" ({len(shown)} longest; {more} more)" if more > 0 else "")
+    ax.legend(
+        handles=keys,
+        fontsize=6,
+        title=title_keys,
+        title_fontsize=7,
+        loc="lower left",
+        bbox_to_anchor=(1.01, 0.0),
+        borderaxespad=0.0,
     )
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)

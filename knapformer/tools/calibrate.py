@@ -239,7 +239,7 @@ def _cpu_name() -> str:
 
 def plot_fit(path: str | Path, report: dict) -> None:
     """Measured vs predicted per batch (ours and paper-style), per block type."""
-    from knapformer.tools.plots import _plt
+    from knapformer.tools.plots import _plt, seconds_log_axis
 
     plt = _plt()
     blocks = report["blocks"]
@@ -255,8 +255,12 @@ def plot_fit(path: str | Path, report: dict) -> None:
         ax.plot(lim, lim, color="gray", lw=0.8)
         ax.set_xscale("log")
         ax.set_yscale("log")
-        ax.set_xlabel("measured (s)")
-        ax.set_ylabel("predicted (s)")
+        seconds_log_axis(ax.xaxis)
+        seconds_log_axis(ax.yaxis)
+        ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+        ax.tick_params(axis="y", labelsize=8)
+        ax.set_xlabel("measured")
+        ax.set_ylabel("predicted")
         h = b["heldout"]
         ax.set_title(f"{name} block: held-out median |err| {h['median_abs_rel']:.1%}", fontsize=9)
         ax.legend(fontsize=8)

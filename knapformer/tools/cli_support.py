@@ -244,7 +244,24 @@ def balancer_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def progress(iterable, *, total: int | None = None, desc: str = "", enabled: bool = True):
-    """A tqdm progress bar on stderr, quiet when ``enabled`` is off or stderr is not a TTY."""
+    """A tqdm progress bar on stderr, quiet when ``enabled`` is off or stderr is not a TTY.
+
+    The size is given explicitly: a terminal that reports 0 × 0 (some IDE consoles,
+    ``script``, terminals of containers started without a size) makes tqdm draw nothing at
+    all (it hides bars below the last of 0 rows), so the bar falls back to ``COLUMNS`` /
+    ``LINES`` or 100 × 20 there."""
+    import shutil
+
     from tqdm.auto import tqdm
 
-    return tqdm(iterable, total=total, desc=desc, disable=(not enabled) or None, leave=False, file=sys.stderr)
+    size = shutil.get_terminal_size((100, 20))
+    return tqdm(
+        iterable,
+        total=total,
+        desc=desc,
+        disable=(not enabled) or None,
+        leave=False,
+        file=sys.stderr,
+        ncols=size.columns,
+        nrows=size.lines,
+    )

@@ -18,7 +18,7 @@ __all__ = ["add_args", "run"]
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("plan", help="plan JSON (knapformer plan --output)")
     p.add_argument("-o", "--output", required=True, help="PNG to write")
-    p.add_argument("--title", default=None)
+    p.add_argument("--title", default=None, help="a line above the plan's stats in the picture's title")
 
 
 def run(args: argparse.Namespace) -> int:
