@@ -227,3 +227,37 @@ def test_dataloader_with_workers_gives_the_same_batches():
     for a, b in zip(plain, workers):
         assert a["seq_lens"] == b["seq_lens"] and torch.equal(a["tokens"], b["tokens"])
         assert sum(a["seq_lens"]) <= 100
+
+
+def test_state_dict_defaults_to_the_batches_handed_out_and_resume_is_per_epoch():
+    lens = list(range(1, 60))
+    a = TokenBudgetBatchSampler(lens, 120, num_replicas=2, rank=0, seed=1)
+    it = iter(a)
+    first = [next(it), next(it)]
+    state = a.state_dict()  # no workers: the two batches handed out
+    assert state["steps_done"] == 2
+    b = TokenBudgetBatchSampler(lens, 120, num_replicas=2, rank=0, seed=1)
+    b.load_state_dict(state)
+    rest = list(b)
+    assert first + rest == list(a)
+    b.load_state_dict(state)
+    b.set_epoch(1)  # moving to another epoch drops the resumed position
+    assert len(b) == len(list(b)) and list(b) == [s[0] for s in b.steps(1)]
+    with pytest.raises(ValueError, match="steps_done must be an int"):
+        a.state_dict(steps_done=1.5)
+
+
+def test_degenerate_datasets():
+    assert list(TokenBudgetBatchSampler([], 10, num_replicas=3, rank=1)) == []
+    s = [TokenBudgetBatchSampler([4], 10, num_replicas=3, rank=r) for r in range(3)]
+    got = [list(x) for x in s]
+    assert all(len(x) == 1 for x in s) and sorted(g[0] for g in got) == [[], [], [0]]  # one step each
+    assert list(TokenBudgetBatchSampler([4], 10, num_replicas=3, rank=0, drop_last=True)) == []
+
+
+def test_collate_takes_bare_tensors():
+    parts = [torch.randn(3, 2), torch.randn(5, 2)]
+    batch = PackedCollate(("latents",))(parts)
+    assert batch["seq_lens"] == [3, 5] and torch.equal(batch["latents"], torch.cat(parts))
+    empty = PackedCollate(("latents",), example=parts[0])([])
+    assert empty["latents"].shape == (0, 2) and empty["seq_lens"] == []

@@ -18,7 +18,8 @@ __all__ = ["PackedCollate"]
 
 
 class PackedCollate:
-    """``collate_fn`` for samples that are dicts of tensors.
+    """``collate_fn`` for samples that are dicts of tensors (or bare ``(L_i, ...)`` tensors,
+    packed under the first key).
 
     ``packed``: the keys whose tensors are ``(L_i, ...)`` per sample (their first dimension
     varies); they are concatenated along dimension 0, and the first key's lengths become
@@ -32,15 +33,19 @@ class PackedCollate:
     sample, e.g. ``dataset[0]``) to take them from.
     """
 
-    def __init__(self, packed: Sequence[str] = ("tokens",), *, example: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self, packed: Sequence[str] = ("tokens",), *, example: Mapping[str, Any] | torch.Tensor | None = None
+    ) -> None:
         if isinstance(packed, str) or not packed:
             raise ValueError("packed must be a non-empty sequence of keys, e.g. ('latents',)")
         self.packed = tuple(packed)
         self.example = example
 
-    def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    def __call__(self, samples: Sequence[Mapping[str, Any]] | Sequence[torch.Tensor]) -> dict[str, Any]:
         if not samples:
             return self._empty()
+        if all(isinstance(s, torch.Tensor) for s in samples):  # bare (L_i, ...) tensors
+            samples = [{self.packed[0]: s} for s in samples]
         keys = list(samples[0])
         for i, s in enumerate(samples):
             if not isinstance(s, Mapping):
@@ -86,11 +91,14 @@ class PackedCollate:
                 "to know the shapes and dtypes of its empty tensors"
             )
         out: dict[str, Any] = {}
+        example = self.example
+        if isinstance(example, torch.Tensor):
+            example = {self.packed[0]: example}
         for j, key in enumerate(self.packed):
-            t = self.example[key]
+            t = example[key]
             out[key] = t.new_empty((0, *t.shape[1:]))
             out["seq_lens" if j == 0 else f"{key}_lens"] = []
-        for key, t in self.example.items():
+        for key, t in example.items():
             if key not in self.packed:
                 out[key] = t.new_empty((0, *t.shape)) if isinstance(t, torch.Tensor) else []
         return out

@@ -159,6 +159,8 @@ class TokenBudgetBatchSampler:
         self.shuffle, self.seed, self.drop_last, self.oversize = bool(shuffle), int(seed), bool(drop_last), oversize
         self.epoch = 0
         self._start = 0  # batches of this epoch already consumed (resume)
+        self._resumed_epoch: int | None = None
+        self._yielded = 0  # steps of the current epoch handed out by the current pass
         self._cache: tuple[int, list[list[list[int]]]] | None = None
         if self.oversize == "error":  # fail at construction, not in the middle of an epoch
             over = np.flatnonzero(self.lengths > self.max_tokens)
@@ -215,23 +217,34 @@ class TokenBudgetBatchSampler:
 
     # -- the Sampler protocol -----------------------------------------------------------------------------
     def __iter__(self) -> Iterator[list[int]]:
-        start, self._start = self._start, 0  # a resume applies to one pass only
+        start = self._start if self._resumed_epoch == self.epoch else 0
+        self._start, self._resumed_epoch = 0, None  # a resume applies to one pass only
+        self._yielded = start
         for step in self.steps()[start:]:
+            self._yielded += 1
             yield step[self.rank]
 
     def __len__(self) -> int:
         """Steps in the current epoch (the same on every rank); a resumed pass yields fewer."""
-        return len(self.steps()) - self._start
+        return len(self.steps()) - (self._start if self._resumed_epoch == self.epoch else 0)
 
     def set_epoch(self, epoch: int) -> None:
-        """Use ``epoch``'s batches from the next pass on (as ``DistributedSampler.set_epoch``)."""
+        """Use ``epoch``'s batches from the next pass on (as ``DistributedSampler.set_epoch``).
+        A resumed position (:meth:`load_state_dict`) holds for its own epoch only."""
         self.epoch = int(epoch)
+        if self.epoch != self._resumed_epoch:
+            self._yielded = 0
 
     # -- resuming -------------------------------------------------------------------------------------------
-    def state_dict(self, steps_done: int) -> dict[str, Any]:
+    def state_dict(self, steps_done: int | None = None) -> dict[str, Any]:
         """What :meth:`load_state_dict` needs to continue this epoch after ``steps_done`` steps.
         Pass the steps your loop *consumed*: a ``DataLoader`` with workers draws batches ahead
-        of the loop, so the sampler cannot count them itself."""
+        of the loop (``prefetch_factor × num_workers``), so the default — the batches this
+        sampler has handed out in the current pass — is right only without workers."""
+        if steps_done is None:
+            steps_done = self._yielded
+        if isinstance(steps_done, bool) or not isinstance(steps_done, (int, np.integer)):
+            raise ValueError(f"steps_done must be an int, got {steps_done!r}")
         if not 0 <= steps_done <= len(self.steps()):
             raise ValueError(f"steps_done must be in [0, {len(self.steps())}] for epoch {self.epoch}, got {steps_done}")
         return {
@@ -253,7 +266,7 @@ class TokenBudgetBatchSampler:
         steps_done = int(state["steps_done"])
         if not 0 <= steps_done <= len(self.steps()):
             raise ValueError(f"steps_done {steps_done} is outside epoch {self.epoch}'s {len(self.steps())} steps")
-        self._start = steps_done
+        self._start, self._resumed_epoch = steps_done, self.epoch
 
     def _fingerprint(self) -> str:
         import hashlib
