@@ -33,7 +33,7 @@ class AttentionCalls:
         q, k, v = autocast_inputs(q, k, v)
         error = attention_problem(q, k, v, spec.num_routed, self.group_rank)
         values = () if error else tuple((n, describe(t)) for n, t in zip("qkv", (q, k, v)))
-        self._checks.agree("pre_attn", error, values)
+        self._checks.agree(op, error, values)
         # the shapes agree: a plan whose groups cannot split them fails the same way on every rank
         heads = ulysses.check_heads(q.shape[1], k.shape[1], spec)
         if heads:
