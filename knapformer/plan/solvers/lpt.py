@@ -224,10 +224,14 @@ def solve_lpt(problem: PlanProblem, *, time_budget_s: float | None = None) -> Pl
             ceiling = min(ceiling, home_plan.makespan)
         except ValueError:  # home breaks the memory cap
             pass
+    settled: set[int] = set()  # candidates already brought home (no second plan to build)
     for start in starts:
         polished = relabel_for_locality(problem, local_search(problem, start, stop_at=stop_at, max_iters=iters))
+        # moves that do not lower the makespan should cost no exchange: bring what can come home
+        polished = settle_home(problem, polished)
         try:
             candidates.append(build_plan(problem, polished, solver="lpt"))
+            settled.add(id(candidates[-1]))
         except ValueError:
             continue
     assert candidates, "every start meets the cap, so local search keeps one"
@@ -239,8 +243,7 @@ def solve_lpt(problem: PlanProblem, *, time_budget_s: float | None = None) -> Pl
             best = min(candidates, key=lambda p: p.makespan)
     tied = [p for p in candidates if p.makespan <= min(best.makespan * (1 + tol), ceiling)]
     chosen = min(tied, key=lambda p: (p.tokens_moved, p.makespan))
-    # moves that do not lower the makespan should cost no exchange: bring what can come home
-    homed = settle_home(problem, chosen.seq_group)
+    homed = chosen.seq_group if id(chosen) in settled else settle_home(problem, chosen.seq_group)
     if (homed != chosen.seq_group).any():
         plan = build_plan(problem, homed, solver="lpt")
         if plan.makespan <= min(chosen.makespan * (1 + tol), ceiling) and plan.tokens_moved < chosen.tokens_moved:
