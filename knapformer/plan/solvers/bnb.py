@@ -16,7 +16,11 @@ from knapformer.plan.problem import PlanProblem, sum_by
 
 __all__ = ["branch_and_bound", "MAX_ITEMS"]
 
-MAX_ITEMS = 40
+MAX_ITEMS = 64
+FULL_BUDGET_ITEMS = 40
+"""Up to this many sequences the search gets the whole node budget; above it (to
+``MAX_ITEMS``) a tenth: measured on three-size layouts of 41–64 sequences, a tenth found the
+proven optimum where local search stopped 0.3% above it, for ~10 ms instead of ~100 ms."""
 _EPS = 1e-12
 
 
@@ -25,6 +29,8 @@ def branch_and_bound(problem: PlanProblem, incumbent: np.ndarray, *, max_nodes: 
     n, B = problem.num_seqs, len(problem.bags)
     if n == 0 or n > MAX_ITEMS or B < 2:
         return incumbent
+    if n > FULL_BUDGET_ITEMS:
+        max_nodes = max(1, max_nodes // 10)
     order = np.argsort(-problem.work, kind="stable")
     w = problem.work[order].tolist()
     L = problem.lengths[order].tolist()
