@@ -206,3 +206,19 @@ def test_cli_json_and_heads_incompatible_with_every_layout(tmp_path, capsys):
     sizes = {g for s in searched for g, _ in parse_layout(s).terms}
     assert sizes == {1, 2, 4} and "g4n4" in searched and out["rows"][0]["bags"] == "none"
     assert out["best"]["step_s"] == min(r["step_s"] for r in out["rows"][1:])
+
+
+def test_cluster_reports_ring_groups(capsys):
+    """A 2048² 40-frame video among images on 32 GPUs: auto runs it on more ranks than a node's
+    Ulysses group and the report says how (ring r × Ulysses u), in the table and the JSON."""
+    args = ["cluster", "--mix", "g31b4i512f1s0,g1b1i2048f40s0", "--gpus", "32", "--model", "flux"]
+    args += ["--hardware", "h100", "--bags", "auto", "--steps", "1", "--quiet"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "auto: largest group 32 ranks; rings (r × Ulysses u): 4×8" in out, out
+    assert main([*args, "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["rows"][1]
+    assert row["largest_group"] == 32 and row["rings"] == "4×8"
+    assert main([*args[:-5], "--bags", "auto:noring", "--steps", "1", "--quiet", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["rows"][1]
+    assert row["largest_group"] <= 8 and row["rings"] == ""

@@ -35,6 +35,10 @@ class LayoutResult:
     imbalance: float
     plan_ms: float
     speedup: float = 1.0
+    largest_group: int = 1
+    """The most ranks any sequence ran on, over the sampled steps."""
+    rings: str = ""
+    """Ring shapes used (``"r×u"`` = ring of r Ulysses sub-groups of u ranks), "" for none."""
 
     def row(self) -> dict:
         return dict(self.__dict__)
@@ -100,6 +104,7 @@ def evaluate(
     else:
         raise ValueError(f"balancer must be a BalancerConfig or 'none', got {balancer!r}")
     preds, plan_ms = [], []
+    largest, rings = 1, set()
     for lens in _bar(steps, f"{name}: steps", progress):
         if not isinstance(balancer, BalancerConfig):
             preds.append(
@@ -122,6 +127,9 @@ def evaluate(
             time_budget_s=balancer.time_budget_s,
         )
         plan_ms.append(1e3 * (time.perf_counter() - t))
+        used = set(plan.seq_group.tolist())
+        largest = max([largest] + [len(plan.groups[b]) for b in used])
+        rings |= {(int(plan.rings[b]), len(plan.groups[b]) // int(plan.rings[b])) for b in used if plan.rings[b] > 1}
         preds.append(
             predict_step(
                 plan, shape, hw, profile=profile, fixed_s=fixed_s, rank_speed=rank_speed, attn_backend=attn_backend
@@ -137,6 +145,8 @@ def evaluate(
         comm_share=mean("comm_share"),
         imbalance=mean("imbalance"),
         plan_ms=statistics.mean(plan_ms),
+        largest_group=largest,
+        rings=", ".join(f"{r}×{u}" for r, u in sorted(rings)),
     )
 
 

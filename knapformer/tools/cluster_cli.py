@@ -174,6 +174,10 @@ def run(args: argparse.Namespace) -> int:
             f"{r['bags']:26s}{r['step_s']:10.3f}{r['tokens_per_s']:12.0f}{r['hfu']:8.1%}{r['comm_share']:7.1%}"
             f"{r['imbalance']:8.3f}{r['speedup']:9.3f}{r['plan_ms']:9.1f}"
         )
+    for r in rows:
+        if r.get("largest_group", 1) > 1 and r["bags"] == "auto":
+            ring = f"; rings (r × Ulysses u): {r['rings']}" if r["rings"] else "; no rings"
+            print(f"{r['bags']}: largest group {r['largest_group']} ranks{ring}")
     if search:
         print(f"best: {best.bags} ({best.speedup:.3f}x vs none)")
     return 0
