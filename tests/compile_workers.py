@@ -30,18 +30,21 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(((a[k] - b[k]).abs().max().item() for k in a), default=0.0)
 
 
-def compiled_block(rank: int, world: int) -> dict:
+def compiled_block(rank: int, world: int, heads: int = 4) -> dict:
     """A Transformer block (QK-norm, RoPE, attention through the balancer) compiled fullgraph
-    and dynamic equals the eager block on every step; no compile after the first step."""
+    and dynamic equals the eager block on every step; no compile after the first step.
+    ``heads=1``: the long sequences run as a ring of 2 (no head to split)."""
     torch.manual_seed(0)
-    eager = Transformer(CFG).blocks[0].double()
+    cfg = TransformerConfig(in_dim=8, dim=32, num_heads=heads, num_layers=2, out_dim=8)
+    eager = Transformer(cfg).blocks[0].double()
     block = copy.deepcopy(eager)
     counter = dynamo_testing.CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(block, fullgraph=True, dynamic=True, backend=counter)
-    bal = SequenceBalancer("auto", WorkloadModel(d_model=32, num_heads=4))
-    out = {"out_err": 0.0, "grad_err": 0.0, "frames": []}
+    bal = SequenceBalancer("auto", WorkloadModel(d_model=32, num_heads=heads))
+    out = {"out_err": 0.0, "grad_err": 0.0, "frames": [], "rings": set()}
     for step, lens in enumerate(STEPS):
-        bal.plan(lens[rank])
+        plan = bal.plan(lens[rank])
+        out["rings"] |= {int(plan.rings[b]) for b in set(plan.seq_group.tolist())}
         g = torch.Generator().manual_seed(step * 10 + rank)
         x = bal.route(torch.randn(sum(lens[rank]), 32, generator=g, dtype=torch.float64))
         _, pos = bal.routed_positions(x)

@@ -13,6 +13,16 @@ def test_a_block_calling_attention_compiles_fullgraph_dynamic_without_recompiles
         assert r["frames"][0] >= 1 and r["frames"][-1] == r["frames"][0], f"recompiled: {r['frames']}"
 
 
+def test_a_block_whose_long_sequences_run_as_a_ring_compiles_and_equals_eager():
+    """One head: auto runs the long sequences as a ring of 2 (K/V blocks exchanged inside the
+    opaque attention operator, dK/dV in its backward); compiled == eager, no recompile."""
+    res = run_distributed(W.compiled_block, 2, 1, timeout=300)
+    for r in res:
+        assert 2 in r["rings"], r["rings"]
+        assert r["out_err"] <= 1e-12 and r["grad_err"] <= 1e-12, r
+        assert r["frames"][-1] == r["frames"][0], f"recompiled: {r['frames']}"
+
+
 def test_a_block_with_cross_attention_compiles_fullgraph_dynamic_without_recompiles():
     res = run_distributed(W.compiled_cross_block, 2, timeout=300)
     for r in res:
