@@ -33,25 +33,79 @@ def python_blocks(page: Path) -> list[str]:
     return FENCE.findall(page.read_text())
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES if python_blocks(p)], ids=lambda p: p.name)
-def test_page_code_runs(page, tmp_path):
-    if "diffusers" in page.read_text() and "import diffusers" in "".join(python_blocks(page)):
-        pytest.importorskip("diffusers")
-    code = "\n\n".join(python_blocks(page))
-    distributed = "init_process_group" in code
-    if distributed:
-        code += "\nimport torch.distributed as _d\nif _d.is_initialized():\n    _d.destroy_process_group()\n"
-    script = tmp_path / f"{page.stem}_snippets.py"
-    script.write_text(code)
+def _code(page: Path) -> str:
+    return "\n\n".join(python_blocks(page))
+
+
+def _run(script: Path, cwd: Path, *, ranks: int = 0) -> subprocess.CompletedProcess:
     for name in ("profiles", "examples"):  # pages refer to these by relative path
-        (tmp_path / name).symlink_to(ROOT / name)
+        if not (cwd / name).exists():
+            (cwd / name).symlink_to(ROOT / name)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
     cmd = [sys.executable, str(script)]
-    if distributed:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}"]
+    if ranks:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={ranks}",
+            f"--master-port={free_port()}",
+        ]
         cmd.append(str(script))
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+LOCAL = [p for p in PAGES if python_blocks(p) and "init_process_group" not in _code(p)]
+DISTRIBUTED = [p for p in PAGES if "init_process_group" in _code(p)]
+
+_SESSIONS = """
+import datetime, os, sys, traceback
+import torch.distributed as dist
+
+# every page calls init_process_group itself; each gets a fresh key space in torchrun's store
+# (a second group over the same keys would read the first one's stale addresses)
+base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                     timeout=datetime.timedelta(seconds=120))
+real_init = dist.init_process_group
+for i, (name, code) in enumerate(PAGES):
+    def init(*args, _prefix=f"page{i}", **kwargs):
+        kwargs.setdefault("store", dist.PrefixStore(_prefix, base))
+        kwargs.setdefault("rank", int(os.environ["RANK"]))
+        kwargs.setdefault("world_size", int(os.environ["WORLD_SIZE"]))
+        return real_init(*args, **kwargs)
+    dist.init_process_group = init
+    try:
+        exec(compile(code, name, "exec"), {"__name__": "__main__"})
+    except BaseException:
+        print(f"PAGE FAILED: {name}", file=sys.stderr)
+        traceback.print_exc()
+        sys.exit(1)
+    finally:
+        dist.init_process_group = real_init
+        if dist.is_initialized():
+            dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("page", LOCAL, ids=lambda p: p.name)
+def test_page_code_runs(page, tmp_path):
+    script = tmp_path / f"{page.stem}_snippets.py"
+    script.write_text(_code(page))
+    proc = _run(script, tmp_path)
     assert proc.returncode == 0, f"{page.name}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+
+
+def test_distributed_pages_run_on_two_ranks(tmp_path):
+    """Every page whose code initialises a process group, one after another in the same two
+    torchrun ranks (each page inits and the harness destroys the group between pages)."""
+    if any("from diffusers" in _code(p) for p in DISTRIBUTED):
+        pytest.importorskip("diffusers")
+    pages = [(p.name, _code(p)) for p in DISTRIBUTED]
+    script = tmp_path / "distributed_pages.py"
+    script.write_text(f"PAGES = {pages!r}\n" + _SESSIONS)
+    proc = _run(script, tmp_path, ranks=2)
+    assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
+    assert len(DISTRIBUTED) >= 5  # README, balancing, training, integrations, failures, calibration
 
 
 def test_public_names_have_docstrings():
