@@ -7,7 +7,7 @@
 
 ``train`` is a training loop as the docs show it: a reference Transformer through a
 ``SequenceBalancer`` (auto), the global-mean loss, summed gradients, an optimizer, three steps,
-``destroy_process_group()`` and no ``gc.collect()``. ``--no-hook`` skips knapformer's exit hook
+``destroy_process_group()`` and no ``gc.collect``. ``--no-hook`` skips knapformer's exit hook
 (``knapformer.distributed.lifetime``) to show the rate it removes.
 """
 

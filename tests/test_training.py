@@ -1,6 +1,6 @@
 """A real training loop: FSDP2 with the global-mean loss (mixed precision, checkpointing,
 gradient accumulation), autocast, divergent calls, resumable state and device meshes, on gloo
-ranks; clean exits without gc.collect()."""
+ranks; clean exits without a manual garbage collection."""
 
 import os
 import subprocess
@@ -70,7 +70,7 @@ def test_device_mesh_names_the_balancing_group():
 
 
 @pytest.mark.parametrize("script", ["flux_train_step.py"])
-def test_examples_exit_cleanly_without_gc_collect(script):
+def test_examples_exit_cleanly_without_a_manual_garbage_collection(script):
     """A few of the 50 clean exits benchmarks/clean_exit.py counts (exit status 0 each time)."""
     pytest.importorskip("diffusers")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}

@@ -8,7 +8,7 @@ own reference to the work object, and with it to the work's tensors. Measured he
 temporary), PyTorch keeps the tensor's Python object alive, owned by the tensor, and the worker
 frees it later — which needs the interpreter lock. While the program runs that is harmless; if
 the interpreter has begun to shut down, the worker cannot take the lock, its thread is unwound
-through a ``noexcept`` destructor and the process aborts. ``gc.collect()`` before
+through a ``noexcept`` destructor and the process aborts. Running the garbage collector before
 ``destroy_process_group()`` only changes when the last tensors die, not whether a worker still
 holds them.
 
