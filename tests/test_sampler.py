@@ -261,3 +261,27 @@ def test_collate_takes_bare_tensors():
     assert batch["seq_lens"] == [3, 5] and torch.equal(batch["latents"], torch.cat(parts))
     empty = PackedCollate(("latents",), example=parts[0])([])
     assert empty["latents"].shape == (0, 2) and empty["seq_lens"] == []
+
+
+def test_resume_bookkeeping_corner_cases():
+    lens = list(range(1, 80))
+    a = TokenBudgetBatchSampler(lens, 150, num_replicas=2, rank=1, seed=2)
+    full = list(a)
+    b = TokenBudgetBatchSampler(lens, 150, num_replicas=2, rank=1, seed=2)
+    b.load_state_dict(a.state_dict(steps_done=4))
+    assert b.state_dict()["steps_done"] == 4, "a checkpoint right after resuming keeps the position"
+    it = iter(b)
+    next(it)
+    assert len(b) == len(full) - 4, "len during the resumed pass"
+    assert [*([full[4]]), *it] == full[4:]
+    with pytest.raises(ValueError, match="seed"):
+        TokenBudgetBatchSampler(lens, 150, num_replicas=1, rank=0, seed=-1)
+    with pytest.raises(ValueError, match="oversize"):
+        pack_batches([0], np.array([5]), 4, oversize="drop")
+
+
+def test_collate_accepts_keys_in_any_order():
+    a = {"tokens": torch.zeros(2, 3), "t": torch.tensor(0.5)}
+    b = {"t": torch.tensor(0.1), "tokens": torch.ones(1, 3)}
+    batch = PackedCollate(("tokens",))([a, b])
+    assert batch["seq_lens"] == [2, 1] and batch["t"].tolist() == pytest.approx([0.5, 0.1])

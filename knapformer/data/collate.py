@@ -50,7 +50,7 @@ class PackedCollate:
         for i, s in enumerate(samples):
             if not isinstance(s, Mapping):
                 raise TypeError(f"sample {i} is a {type(s).__name__}; PackedCollate takes dicts of tensors")
-            if list(s) != keys:
+            if s.keys() != samples[0].keys():
                 raise ValueError(f"sample {i} has keys {sorted(s)}, sample 0 has {sorted(keys)}")
         missing = [k for k in self.packed if k not in keys]
         if missing:

@@ -85,6 +85,8 @@ def pack_batches(
     """Cut ``order`` (sample indices) into consecutive batches of at most ``max_tokens`` tokens
     and ``max_samples`` samples: a batch closes when the next sample would not fit. Returns the
     batches as lists of indices."""
+    if oversize not in ("error", "alone"):
+        raise ValueError(f"oversize must be 'error' or 'alone', got {oversize!r}")
     batches: list[list[int]] = []
     cur: list[int] = []
     tokens = 0
@@ -144,6 +146,8 @@ class TokenBudgetBatchSampler:
             raise ValueError(f"max_samples must be a positive int or None, got {max_samples!r}")
         if oversize not in ("error", "alone"):
             raise ValueError(f"oversize must be 'error' or 'alone', got {oversize!r}")
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
         if num_replicas is None or rank is None:
             world, me = _default_world()
             num_replicas = world if num_replicas is None else num_replicas
@@ -161,7 +165,8 @@ class TokenBudgetBatchSampler:
         self._start = 0  # batches of this epoch already consumed (resume)
         self._resumed_epoch: int | None = None
         self._yielded = 0  # steps of the current epoch handed out by the current pass
-        self._cache: tuple[int, list[list[list[int]]]] | None = None
+        self._pass_start = 0  # where the current (or last) pass of self.epoch began
+        self._cache: tuple[tuple, list[list[list[int]]]] | None = None
         if self.oversize == "error":  # fail at construction, not in the middle of an epoch
             over = np.flatnonzero(self.lengths > self.max_tokens)
             if over.size:
@@ -172,21 +177,26 @@ class TokenBudgetBatchSampler:
         """Every step of ``epoch`` (default: the current one): ``steps[s][r]`` is rank r's batch
         of step s (a list of sample indices, possibly empty)."""
         epoch = self.epoch if epoch is None else int(epoch)
-        if self._cache is not None and self._cache[0] == epoch:
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        key = (epoch, self.max_tokens, self.max_samples, self.num_replicas, self.shuffle, self.drop_last, self.oversize)
+        if self._cache is not None and self._cache[0] == key:
             return self._cache[1]
         rng = np.random.default_rng([self.seed, epoch])
         n = self.lengths.size
         order = rng.permutation(n) if self.shuffle else np.arange(n)
         batches: list[list[int]] = []
-        for b in range(int(self.bucket_ids.max(initial=-1)) + 1):  # one bucket at a time, in draw order
-            mine = order[self.bucket_ids[order] == b]
+        # one bucket at a time (bucket ids in order of first appearance), each in draw order
+        by_bucket = order[np.argsort(self.bucket_ids[order], kind="stable")]
+        cuts = np.flatnonzero(np.diff(self.bucket_ids[by_bucket])) + 1
+        for mine in np.split(by_bucket, cuts) if n else []:
             batches += pack_batches(
                 mine, self.lengths, self.max_tokens, max_samples=self.max_samples, oversize=self.oversize
             )
         if self.shuffle and batches:  # interleave the buckets
             batches = [batches[i] for i in rng.permutation(len(batches))]
         steps = self._deal(batches)
-        self._cache = (epoch, steps)
+        self._cache = (key, steps)
         return steps
 
     def _deal(self, batches: list[list[int]]) -> list[list[list[int]]]:
@@ -219,18 +229,24 @@ class TokenBudgetBatchSampler:
     def __iter__(self) -> Iterator[list[int]]:
         start = self._start if self._resumed_epoch == self.epoch else 0
         self._start, self._resumed_epoch = 0, None  # a resume applies to one pass only
-        self._yielded = start
+        self._yielded = self._pass_start = start
         for step in self.steps()[start:]:
             self._yielded += 1
             yield step[self.rank]
 
     def __len__(self) -> int:
         """Steps in the current epoch (the same on every rank); a resumed pass yields fewer."""
-        return len(self.steps()) - (self._start if self._resumed_epoch == self.epoch else 0)
+        if self._resumed_epoch == self.epoch:  # a resume not yet started
+            return len(self.steps()) - self._start
+        return len(self.steps()) - self._pass_start
 
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch``'s batches from the next pass on (as ``DistributedSampler.set_epoch``).
         A resumed position (:meth:`load_state_dict`) holds for its own epoch only."""
+        if int(epoch) < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        if int(epoch) != self.epoch:
+            self._pass_start = 0
         self.epoch = int(epoch)
         if self.epoch != self._resumed_epoch:
             self._yielded = 0
@@ -267,6 +283,7 @@ class TokenBudgetBatchSampler:
         if not 0 <= steps_done <= len(self.steps()):
             raise ValueError(f"steps_done {steps_done} is outside epoch {self.epoch}'s {len(self.steps())} steps")
         self._start, self._resumed_epoch = steps_done, self.epoch
+        self._yielded = steps_done  # a checkpoint taken before iterating keeps the position
 
     def _fingerprint(self) -> str:
         import hashlib
