@@ -260,3 +260,17 @@ def test_three_size_layout_reaches_the_proven_optimum_above_forty_sequences():
     lens = np.clip(rng.lognormal(7, 1.2, size=(16, 3)), 16, 65536).astype(int).tolist()
     plan = plan_sequences(lens, "g1n8+g2n2+g4n1", WorkloadModel(d_model=3072))
     assert plan.makespan / plan.lower_bound <= 1.00277
+
+
+def test_home_among_equals_moves_only_what_a_home_comer_displaces():
+    """Equal lengths are interchangeable: a sequence takes a slot of its home bag if one of its
+    class is there; the others stay where they are (no churn among sequences away from home)."""
+    from knapformer.plan.solvers.refine import home_among_equals
+
+    p = PlanProblem(seq_lens=[[5], [5], [5], [5]], layout="g1n4", model=WorkloadModel(d_model=8))
+    # seq 0 (home 0) and seq 1 (home 1) are away on bags 3 and 2, bag 0/1 hold no slot of theirs
+    assert home_among_equals(p, np.array([3, 2, 2, 3])).tolist() == [3, 2, 2, 3]
+    # seq 2 (home 2) sits on 3 while seq 3 (home 3) sits on 2: both go home, nothing else moves
+    assert home_among_equals(p, np.array([0, 1, 3, 2])).tolist() == [0, 1, 2, 3]
+    # seq 0 is on bag 1 holding a slot seq 1 (home 1, now on 0) wants: they swap home
+    assert home_among_equals(p, np.array([1, 0, 3, 3])).tolist() == [0, 1, 3, 3]

@@ -291,23 +291,32 @@ def home_among_equals(problem: PlanProblem, seq_bag: np.ndarray, *, movable: np.
     B = len(problem.bags)
     _, cls = np.unique(cls_all[in_play], return_inverse=True)
     cls = cls.astype(np.int64)
+    m = ids.size
     # per (class, bag): slots it has and sequences whose home it is
-    pairs, inv_home = np.unique(np.concatenate([cls * B + home, cls * B + slots]), return_inverse=True)
-    n_home = np.bincount(inv_home[: ids.size], minlength=pairs.size)
-    n_slot = np.bincount(inv_home[ids.size :], minlength=pairs.size)
-    keep = np.minimum(n_home, n_slot)
-    # a sequence stays home if it is among the first keep[(class, home)] of them (id order)
-    key = inv_home[: ids.size]
-    order = np.argsort(key, kind="stable")
-    first = np.searchsorted(key[order], key[order], side="left")
-    stays = np.empty(ids.size, dtype=bool)
-    stays[order] = (np.arange(ids.size) - first) < keep[key[order]]
+    pairs, inv = np.unique(np.concatenate([cls * B + home, cls * B + slots]), return_inverse=True)
+    hp, sp = inv[:m], inv[m:]
+    n_slot = np.bincount(sp, minlength=pairs.size)
+    keep = np.minimum(np.bincount(hp, minlength=pairs.size), n_slot)
+    # the first keep[(class, home)] of a home's sequences stay there: those already home first
+    # (all of them fit: they hold slots of it), then by id
+    at_home = home == slots
+    order = np.lexsort((np.arange(m), ~at_home, hp))
+    rank = np.empty(m, dtype=np.int64)
+    rank[order] = np.arange(m) - np.searchsorted(hp[order], hp[order], side="left")
+    stays = rank < keep[hp]
     new = np.where(stays, home, -1)
-    # the other sequences of each class take its remaining slots, in bag order
-    rest = np.flatnonzero(~stays)
-    rest = rest[np.argsort(cls[rest], kind="stable")]
-    left = np.repeat(pairs, n_slot - keep)  # sorted by (class, bag)
-    new[rest] = left % B
+    # the others keep their current bag while it has slots the home-comers leave free (no
+    # churn among sequences away from home); only the displaced ones move, in bag order
+    free = n_slot - keep
+    others = np.flatnonzero(~stays)
+    others = others[np.argsort(sp[others], kind="stable")]
+    r = np.arange(others.size) - np.searchsorted(sp[others], sp[others], side="left")
+    remain = r < free[sp[others]]
+    new[others[remain]] = slots[others[remain]]
+    used = np.bincount(sp[others[remain]], minlength=pairs.size)
+    displaced = others[~remain]
+    displaced = displaced[np.argsort(cls[displaced], kind="stable")]
+    new[displaced] = np.repeat(pairs, free - used) % B  # sorted by (class, bag)
     seq_bag[ids] = new
     return seq_bag
 
