@@ -10,8 +10,9 @@ the *final* log-sum-exp:
 
 with δ = Σ_d do ⊙ o per query and head. Masks come from token positions (causal: a key
 attends to a query at or after it), so blocks of any arrangement (contiguous or zigzag) work.
-Exact math in the inputs' precision (fp32 for fp16/bf16), queries taken in tiles so that the
-score matrix stays tile × block.
+Exact math in the inputs' precision (fp32 for fp16/bf16; the fused CPU path of
+:func:`aligned_forward` rounds each half-precision block to its dtype first), queries taken in
+tiles so that the score matrix stays tile × block.
 
 Shapes: q (A, h, D), k (B, h_kv, D), v (B, h_kv, Dv), o (A, h, Dv), lse (h, A); positions
 (A,) and (B,) int64.
@@ -121,7 +122,10 @@ def aligned_forward(q, k, v, *, causal: bool) -> tuple[torch.Tensor, torch.Tenso
     """:func:`block_forward` for blocks whose positions both start at 0 (``causal``: the
     diagonal block of contiguous blocks; a query block sees earlier blocks whole and is not
     paired with later ones). Runs PyTorch's fused CPU kernel where it applies (10× the tiled
-    math on the development machine at 2k tokens); o in the compute dtype."""
+    math on the development machine at 2k tokens); o in the compute dtype. The fused kernel
+    computes in the input dtype, so for fp16/bf16 each block's output (and, in the backward,
+    its gradients) is rounded to it before the fp32 merge — exact for fp32/fp64, within the
+    input's rounding for half types (``tests/test_blockwise.py`` bounds it)."""
     op = _fused_op(q, v)
     if op is None:
         n, m = q.shape[0], k.shape[0]

@@ -7,7 +7,8 @@ of the sequence (L/r tokens); member t of sub-group s then attends its block's q
 every sub-group's block of K/V, which arrive from the members t of the other sub-groups (its
 *ring peers*), and merges the partial outputs by their log-sum-exp (an online softmax,
 :mod:`knapformer.attention.blockwise`). Per-rank attention memory stays O(L/k) tokens: its own
-block, plus the one block in flight.
+block, the block being computed, the next one in flight and the send buffer — a few blocks of
+L/r tokens × h/u heads, never the whole sequence.
 
 Rounds. Round 0 is the own block. In round j (1 ≤ j < r) member s sends its own K/V block to
 ring peer s + j and receives the block of peer s − j (mod r), straight from its owner, so no
@@ -20,8 +21,9 @@ exchange overlaps the block attention it feeds.
 
 Backward: the same K/V rounds again (nothing of the other blocks is kept), each round's
 block gradients dK/dV computed against the queries' final log-sum-exp and sent straight back
-to the block's owner (in the compute dtype: fp32 for fp16/bf16), one exchange per round
-issued as soon as that round's blocks are done and awaited a round later.
+to the block's owner (in the compute dtype: fp32 for fp16/bf16, accumulated there; on CPU's
+fused kernel path each block's gradients are first rounded to the input dtype), one exchange
+per round issued as soon as that round's blocks are done and awaited a round later.
 
 Causal: blocks are contiguous in sequence order (sub-group s holds the s-th block), so a
 query block sees earlier blocks whole, its own block causally, and later blocks not at all;
@@ -31,6 +33,7 @@ s + ½ blocks); diffusion transformers attend bidirectionally, where it is even.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -71,13 +74,18 @@ class RingSchedule:
     causal: bool
 
 
-def ring_schedule(batches: list[AttnBatch], rounds: int, world: int, causal: bool) -> RingSchedule:
+def ring_schedule(batches: list[AttnBatch], rounds: int, causal: bool) -> RingSchedule:
     """The rounds of this rank's ring batches (``batch.ring`` set) under a plan whose largest
     ring has ``rounds`` sub-groups. Blocks to one peer in one round go in batch order, which is
-    the global group order on both sides."""
+    the global group order on both sides. Depends on the plan only: computed once per plan
+    and cached (every layer of a step reuses it)."""
+    return _schedule(tuple(b.ring for b in batches), rounds, causal)
+
+
+@functools.lru_cache(maxsize=64)
+def _schedule(entries: tuple, rounds: int, causal: bool) -> RingSchedule:
     static = []
-    for b in batches:
-        e = b.ring
+    for e in entries:
         blocks = np.asarray(e.blocks, dtype=np.int64).reshape(e.ring, -1)
         cu = np.concatenate([np.zeros((e.ring, 1), dtype=np.int64), np.cumsum(blocks, axis=1)], axis=1)
         static.append(_Batch(pos=e.ring_pos, ring=e.ring, peers=e.ring_peers, cu=cu))
@@ -94,7 +102,6 @@ def ring_schedule(batches: list[AttnBatch], rounds: int, world: int, causal: boo
                 inc.append((i, b.peers[src], src))
         sends.append(tuple(sorted(out, key=lambda t: t[1])))  # by destination rank, batch order kept
         recvs.append(tuple(sorted(inc, key=lambda t: t[1])))
-    del world
     return RingSchedule(rounds, tuple(static), tuple(sends), tuple(recvs), causal)
 
 
@@ -296,7 +303,7 @@ def ring_attention(
     rounds run on every rank)."""
     ring = [i for i, b in enumerate(batches) if b.ring is not None]
     others = [i for i, b in enumerate(batches) if b.ring is None and b.degree > 1]
-    sched = ring_schedule([batches[i] for i in ring], rounds, world, causal)
+    sched = ring_schedule([batches[i] for i in ring], rounds, causal)
     through_index = others[0] if others else None
     through = outs[through_index] if through_index is not None else anchor
     qkv = [batches[i].q for i in ring] + [batches[i].k for i in ring] + [batches[i].v for i in ring]
