@@ -43,7 +43,9 @@ def branch_and_bound(problem: PlanProblem, incumbent: np.ndarray, *, max_nodes: 
     inc_load = sum_by(incumbent, problem.work, B)
     best = [float((inc_load / problem.bag_capacity).max())]
     best_assign: list[list[int] | None] = [None]
-    floor = problem.lower_bound
+    # stop once provably optimal for the objective searched here (the fluid makespan): its own
+    # bound, not the plan's lower bound (which prices more than the fluid objective does)
+    floor = max(sum(w) / total_kap, w[0] / max(kap)) if n else 0.0
     load = [0.0] * B
     tok = [0] * B
     assign = [0] * n
