@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from knapformer import SequenceBalancer, WorkloadModel
+from knapformer import BalancerInputError, SequenceBalancer, WorkloadModel
 from knapformer.errors import InvalidPlanError
 from knapformer.plan import plan_from_groups
 from tests import group_workers as G
@@ -131,6 +131,18 @@ def check_bad_ring_plans(rank: int, world: int) -> list[str]:
     assert "must be an int >= 1 dividing" in msgs[-1], msgs[-1]
     # the balancer still works after the errors: the same plan with a legal ring
     bal.use_plan(plan_from_groups(lens, [members], [0], MODEL, ring=[world]))
+    q = bal.route(torch.randn(40 if rank == 0 else 0, 3, 2, dtype=torch.float64))
+    bal.attention(q, q, q)
+    # a later layer with another head dim on rank 1 only: every rank raises before the ring moves
+    bad = q[:, :, :1] if rank == 1 else q
+    try:
+        bal.attention(bad, bad, bad)
+    except BalancerInputError as exc:
+        msgs.append(str(exc))
+    else:
+        raise AssertionError("a later layer's bad q/k/v on one rank ran a ring exchange")
+    assert "on rank 1" in msgs[-1], msgs[-1]
+    bal.plan(lens[rank])  # and the next step runs
     q = bal.route(torch.randn(40 if rank == 0 else 0, 3, 2, dtype=torch.float64))
     bal.attention(q, q, q)
     return msgs
