@@ -127,3 +127,19 @@ def test_mismatched_profile_is_refused_by_the_simulator(tmp_path):
     )
     with pytest.raises(ValueError, match="profile d_model 7 does not match model 'mmdit-tiny'"):
         simulate(cfg)
+
+
+def test_report_of_a_fit_without_a_linear_term():
+    """Tiny or noisy timings can fit a linear term of 0 (no γ-equivalent): the report says so
+    instead of crashing the command (it did: unsupported format string passed to NoneType)."""
+    from knapformer.tools.calibrate import format_report
+    from knapformer.workload import WorkloadModel
+
+    profile = WorkloadModel(d_model=64, linear=0.0, quadratic=1e-8, num_layers=2).to_dict()
+    combined = {
+        "heldout": {"median_abs_rel": 0.1, "max_abs_rel": 0.2},
+        "heldout_paper_style": {"median_abs_rel": 0.1},
+        "additivity": None,
+    }
+    text = format_report({"blocks": {}, "combined": combined, "profile": profile})
+    assert "γ-equivalent n/a (no linear term fitted)" in text

@@ -283,8 +283,10 @@ def format_report(report: dict) -> str:
         )
     p = report["profile"]
     c = report["combined"]
+    # no γ-equivalent when the fitted linear term is 0 (tiny or noisy timings): say so, not crash
+    gamma = "n/a (no linear term fitted)" if p.get("gamma_equivalent") is None else f"{p['gamma_equivalent']:.3f}"
     lines.append(
-        f"profile (per layer, {p['num_layers']} layers): γ-equivalent {p['gamma_equivalent']:.3f}; held-out median "
+        f"profile (per layer, {p['num_layers']} layers): γ-equivalent {gamma}; held-out median "
         f"|err| {c['heldout']['median_abs_rel']:.2%} (paper-style {c['heldout_paper_style']['median_abs_rel']:.2%}), "
         f"max {c['heldout']['max_abs_rel']:.2%}; additivity median |err| "
         f"{(c['additivity']['median_abs_rel'] if c['additivity'] else float('nan')):.2%}"
