@@ -116,3 +116,19 @@ def test_bad_settings_are_rejected(kw, match):
 def test_bad_warmup_in_the_config_is_rejected(bad):
     with pytest.raises(ValueError, match="recalibrate_warmup"):
         BalancerConfig(layout="g1n2", cost=_prior(), recalibrate=True, recalibrate_warmup=bad)
+
+
+def test_degenerate_timings_keep_predictions_in_seconds():
+    """Ranks with more work measuring *less* time (noise swamping the lengths, as on a loaded
+    machine): the fit finds no length-dependent term. It keeps the prior's shape scaled to the
+    measured seconds (before, it fell back to the prior in cost units and the next steps
+    predicted no seconds at all)."""
+    feats = _steps(6)
+    _, model, _ = _fit([(f, 0.1 - 2e-5 * f.tokens) for f in feats], warmup=0)
+    assert str(model.meta.get("units", "")).startswith("seconds"), model.meta
+    prior = _prior()
+    ratio = model.linear_coef / prior.linear_coef
+    assert ratio > 0 and model.quad_coef == pytest.approx(prior.quad_coef * ratio, rel=1e-5)
+    mean_pred = np.mean([_predict(model, f).mean() for f in feats])
+    measured = np.mean([(0.1 - 2e-5 * f.tokens).mean() for f in feats])
+    assert 0.1 < mean_pred / measured < 10  # seconds, the right order of magnitude

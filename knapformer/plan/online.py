@@ -144,8 +144,17 @@ class OnlineFit:
                 coef = self._solve(X, y, w, est[rank])  # refit with the speeds taken out
         layers = self.prior.num_layers
         terms = coef[:-1]
-        if not any(v > 0 for t, v in zip(COST_TERMS, terms) if t.grows):  # degenerate data: keep the prior
-            return self.prior, est
+        if not any(v > 0 for t, v in zip(COST_TERMS, terms) if t.grows):
+            # degenerate data (noise swamped every length-dependent term): the prior's shape,
+            # scaled to the measured seconds, so that predictions stay in seconds; the prior
+            # itself only if even that scale is not positive
+            spd = (est if est is not None else speed)[rank]
+            pred = (X / spd[:, None]) @ (coefficients(self.prior) * layers)
+            scale = float(np.sum(w * pred / y) / max(np.sum(w * pred**2 / y**2), 1e-300))
+            if not (math.isfinite(scale) and scale > 0):
+                return self.prior, est
+            terms = coefficients(self.prior) * layers * scale
+            coef = np.append(terms, 0.0)  # the scale takes the whole time: no per-call constant
         meta = {
             **self.prior.meta,
             "units": "seconds per layer",
