@@ -95,3 +95,16 @@ def demo_loss(model, batch, bal, mode: str):
         ex = bal
     out = model(batch.x, batch.seq_lens, batch.txt_lens, batch.t, batch.vec, executor=ex)
     return ((out - batch.target) ** 2).mean()
+
+
+def flux_h100():
+    """(WorkloadModel, LinkModel) of the Flux size on the ``h100`` preset's links, the pricing
+    the planner benchmarks share."""
+    from knapformer.cluster import ModelShape, hardware
+    from knapformer.integrations.registry import model_config
+    from knapformer.workload import WorkloadModel
+
+    hw = hardware("h100")
+    shape = ModelShape.from_config(model_config("flux"))
+    model = WorkloadModel(d_model=shape.dim, num_heads=shape.heads, num_layers=shape.layers)
+    return model, hw.link(shape, units_per_second=hw.flop_units_per_second)

@@ -29,13 +29,10 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import print_table, write_json  # noqa: E402
+from _common import flux_h100, print_table, write_json  # noqa: E402
 
-from knapformer.cluster import ModelShape, hardware  # noqa: E402
 from knapformer.data import TokenBudgetBatchSampler, sample_seq_lens  # noqa: E402
-from knapformer.integrations.registry import model_config  # noqa: E402
 from knapformer.plan import plan_sequences  # noqa: E402
-from knapformer.workload import WorkloadModel  # noqa: E402
 
 
 def pool(mix: str, ranks: int, steps: int) -> np.ndarray:
@@ -79,10 +76,7 @@ def main() -> None:
     ap.add_argument("--budgets", type=float, nargs="+", default=[1.0, 2.0], help="× the longest sample")
     ap.add_argument("--out", default="runs/bench/sampler_balance.json")
     args = ap.parse_args()
-    hw = hardware("h100")
-    shape = ModelShape.from_config(model_config("flux"))
-    model = WorkloadModel(d_model=shape.dim, num_heads=shape.heads, num_layers=shape.layers)
-    link = hw.link(shape, units_per_second=hw.flop_units_per_second)
+    model, link = flux_h100()
     rows = []
     for mix in args.mixes:
         lengths = pool(mix, args.ranks, args.pool_steps)

@@ -93,15 +93,26 @@ def spread_over_groups(groups, seq_group: np.ndarray, per_seq: np.ndarray, num_r
     return sum_by(members, per_group[owner], num_ranks)
 
 
-def group_members(groups) -> tuple[np.ndarray, np.ndarray]:
-    """Every group's ranks concatenated, and the group of each: cached for tuples of tuples
-    (a plan's groups; the cost functions ask for them a dozen times per candidate plan)."""
-    if isinstance(groups, tuple):
-        try:
-            return _group_members(groups)
-        except TypeError:  # unhashable members
-            pass
-    return _flatten(groups)
+def _cached(build):
+    """``build(groups)`` memoised for hashable tuples of tuples (a plan's groups), its arrays
+    read-only then; other inputs are built afresh."""
+    cached = functools.lru_cache(maxsize=16)(lambda groups: tuple(_frozen(a) for a in build(groups)))
+
+    def get(groups):
+        if isinstance(groups, tuple):
+            try:
+                return cached(groups)
+            except TypeError:  # unhashable members
+                pass
+        return build(groups)
+
+    get.__doc__ = build.__doc__
+    return get
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
 
 
 def _flatten(groups) -> tuple[np.ndarray, np.ndarray]:
@@ -110,36 +121,17 @@ def _flatten(groups) -> tuple[np.ndarray, np.ndarray]:
     return members, owner
 
 
-@functools.lru_cache(maxsize=16)
-def _group_members(groups: tuple) -> tuple[np.ndarray, np.ndarray]:
-    members, owner = _flatten(groups)
-    members.flags.writeable = False
-    owner.flags.writeable = False
-    return members, owner
-
-
-def group_arrays(groups) -> tuple[np.ndarray, np.ndarray]:
-    """(G,) group sizes and (G, max size) group ranks padded with -1 (cached for tuples of
-    tuples; read-only then)."""
-    if isinstance(groups, tuple):
-        try:
-            return _group_arrays(groups)
-        except TypeError:
-            pass
-    return _arrays(groups)
-
-
-@functools.lru_cache(maxsize=16)
-def _group_arrays(groups: tuple) -> tuple[np.ndarray, np.ndarray]:
-    sizes, mat = _arrays(groups)
-    sizes.flags.writeable = False
-    mat.flags.writeable = False
-    return sizes, mat
-
-
 def _arrays(groups) -> tuple[np.ndarray, np.ndarray]:
     sizes = np.fromiter((len(g) for g in groups), dtype=np.int64, count=len(groups))
     mat = np.full((len(groups), int(sizes.max()) if len(groups) else 1), -1, dtype=np.int64)
     for i, g in enumerate(groups):
         mat[i, : len(g)] = g
     return sizes, mat
+
+
+group_members = _cached(_flatten)
+"""Every group's ranks concatenated, and the group of each: cached for tuples of tuples (a
+plan's groups; the cost functions ask for them a dozen times per candidate plan)."""
+group_arrays = _cached(_arrays)
+"""(G,) group sizes and (G, max size) group ranks padded with -1 (cached for tuples of tuples;
+read-only then)."""
