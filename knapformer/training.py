@@ -24,7 +24,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from knapformer.distributed import lifetime
+import knapformer.distributed.lifetime as lifetime
 
 __all__ = ["global_mean_loss", "sum_gradients"]
 

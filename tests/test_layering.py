@@ -1,9 +1,10 @@
 """Layers import one way: planning never imports torch; importing knapformer touches no device;
 no import circles; the core never reaches up into tools, integrations or the cluster model.
 
-Imports are read from the source (every ``import`` statement, top level or inside a function),
-so a lazy import counts as much as an eager one; only ``if TYPE_CHECKING:`` imports (never run)
-do not count.
+Imports are read from the source (every ``import`` statement, top level, inside a function or
+under ``if TYPE_CHECKING:``), so a lazy or typing-only import counts as much as an eager one;
+``from pkg import sub`` depends on the package (its ``__init__`` runs and hands the name on) as
+well as on the submodule.
 """
 
 import ast
@@ -42,22 +43,13 @@ def _module_name(path: Path, root: Path = ROOT) -> str:
 
 def _imports(path: Path, root: Path = ROOT) -> set[str]:
     """Every knapformer module (or package) this file imports, at any depth; for
-    ``from pkg import name`` the candidates ``pkg.name`` (if that is a submodule, the import
-    depends on it alone) and ``pkg`` (marked with a trailing ``|`` as the fallback)."""
+    ``from pkg import name`` both ``pkg.name`` (if that is a submodule) and ``pkg``, written
+    ``pkg.name|pkg``."""
     tree = ast.parse(path.read_text(), filename=str(path))
     me = _module_name(path, root)
     package = me if path.name == "__init__.py" else me.rpartition(".")[0]
     out = set()
-    typing_only = {
-        id(n)
-        for block in ast.walk(tree)
-        if isinstance(block, ast.If) and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
-        for stmt in block.body
-        for n in ast.walk(stmt)
-    }
     for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names if a.name.startswith("knapformer"))
         elif isinstance(node, ast.ImportFrom):
@@ -77,15 +69,13 @@ def _graph(root: Path = ROOT) -> dict[str, set[str]]:
     graph = {}
     for name, path in files.items():
         deps = set()
-        for mod in _imports(path, root):
-            # `from knapformer.plan import X`: on the submodule X if there is one, else the package
-            mod, _, fallback = mod.partition("|")
-            if mod not in files and fallback:
-                mod = fallback
-            while mod and mod not in files:
-                mod = mod.rpartition(".")[0]
-            if mod and mod != name:
-                deps.add(mod)
+        for imported in _imports(path, root):
+            # `from knapformer.plan import X`: on the package, and on the submodule X if there is one
+            for mod in dict.fromkeys(imported.split("|")):
+                while mod and mod not in files:
+                    mod = mod.rpartition(".")[0]
+                if mod and mod != name:
+                    deps.add(mod)
         graph[name] = deps
     return graph
 
@@ -138,6 +128,22 @@ def test_layering_check_sees_lazy_and_relative_imports(tmp_path):
     graph = _graph(root)
     assert "knapformer.tools.cli_support" in graph["knapformer.plan.lazy"]
     assert "knapformer.plan.lazy" in graph["knapformer.tools.cli_support"]
+
+
+def test_layering_check_sees_a_circle_through_a_package_and_typing_imports(tmp_path):
+    """Mutation check: ``from pkg import a`` in a module the package's ``__init__`` imports is a
+    circle (pkg.b -> pkg -> pkg.b), and so is one closed by an ``if TYPE_CHECKING:`` import."""
+    root = tmp_path / "knapformer"
+    (root / "pkg").mkdir(parents=True)
+    (root / "__init__.py").write_text("")
+    (root / "pkg" / "__init__.py").write_text("from knapformer.pkg.b import f\n")
+    (root / "pkg" / "a.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from knapformer.pkg.b import f\n"
+    )
+    (root / "pkg" / "b.py").write_text("from knapformer.pkg import a\ndef f(): pass\n")
+    graph = _graph(root)
+    assert "knapformer.pkg" in graph["knapformer.pkg.b"]  # the package's __init__ runs
+    assert "knapformer.pkg.b" in graph["knapformer.pkg.a"]  # typing-only imports count
 
 
 def test_pure_layers_do_not_import_torch():

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from knapformer.distributed import lifetime
+import knapformer.distributed.lifetime as lifetime
 from knapformer.errors import BalancerInputError, DivergentCallError, PlanMismatchError
 
 __all__ = ["Call", "agree", "describe", "digest62", "gather_text", "group_device", "signature"]

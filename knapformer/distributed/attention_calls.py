@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import torch
 
+import knapformer.distributed.cross as cross
+import knapformer.distributed.ring as ring
+import knapformer.distributed.ulysses as ulysses
 from knapformer.attention.varlen import varlen_attention
-from knapformer.distributed import cross, ring, ulysses
 from knapformer.distributed.agree import describe
 from knapformer.distributed.checks import attention_problem
 from knapformer.errors import InvalidPlanError

@@ -28,8 +28,12 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+import knapformer.distributed.compiled as compiled
+import knapformer.distributed.cross as cross
+import knapformer.distributed.lifetime as lifetime
+import knapformer.distributed.ops as ops
+import knapformer.distributed.ulysses as ulysses
 from knapformer.config import BalancerConfig
-from knapformer.distributed import compiled, cross, lifetime, ops, ulysses
 from knapformer.distributed.agree import digest62, group_device
 from knapformer.distributed.attention_calls import AttentionCalls
 from knapformer.distributed.checks import StepChecks, as_lengths

@@ -11,11 +11,11 @@ no exchange. A bad shape on one rank in ``cross_attention`` is deferred to the n
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
-from knapformer.distributed import ops
+import knapformer.distributed.ops as ops
 from knapformer.distributed.agree import group_device, signature
 from knapformer.distributed.context import build_context_route
 from knapformer.executor.protocol import (
@@ -27,13 +27,23 @@ from knapformer.executor.protocol import (
     routed_context,
 )
 
-if TYPE_CHECKING:
-    from knapformer.distributed.balancer import SequenceBalancer
+
+class _Balancer(Protocol):
+    """What these calls use of :class:`~knapformer.distributed.balancer.SequenceBalancer`
+    (named here, not imported: the balancer imports this module)."""
+
+    group: Any
+    group_rank: int
+    config: Any
+    _checks: Any
+
+    def _require_spec(self) -> tuple[Any, Any]: ...
+
 
 __all__ = ["cross_attention", "cross_attention_tensors", "route_context"]
 
 
-def route_context(bal: SequenceBalancer, context: torch.Tensor, lens: Sequence[int]) -> RoutedContext:
+def route_context(bal: _Balancer, context: torch.Tensor, lens: Sequence[int]) -> RoutedContext:
     """See :meth:`SequenceBalancer.route_context`."""
     plan, spec = bal._require_spec()
     n_local = len(plan.seq_lens[bal.group_rank])
@@ -52,7 +62,7 @@ def route_context(bal: SequenceBalancer, context: torch.Tensor, lens: Sequence[i
 
 
 def cross_attention(
-    bal: SequenceBalancer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: RoutedContext
+    bal: _Balancer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: RoutedContext
 ) -> torch.Tensor:
     """See :meth:`SequenceBalancer.cross_attention`."""
     _, spec = bal._require_spec()
@@ -65,7 +75,7 @@ def cross_attention(
     return cross_attend(q, k, v, context, bal.config.attn_backend)
 
 
-def cross_attention_tensors(bal: SequenceBalancer, q, k, v, tensors: list[torch.Tensor]) -> torch.Tensor:
+def cross_attention_tensors(bal: _Balancer, q, k, v, tensors: list[torch.Tensor]) -> torch.Tensor:
     """:func:`cross_attention` given the context's tensors (``context_tensors``): what the
     compiled path runs inside its opaque operator."""
     _, spec = bal._require_spec()

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from knapformer.distributed import lifetime
+import knapformer.distributed.lifetime as lifetime
 from knapformer.distributed.spec import RouteSpec
 
 __all__ = ["all_to_all", "gather_sequences", "permute_rows", "reverse_route", "route"]

@@ -40,8 +40,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import knapformer.distributed.lifetime as lifetime
 from knapformer.attention.blockwise import aligned_backward, aligned_forward, compute_dtype, merge
-from knapformer.distributed import lifetime
 from knapformer.distributed.ulysses.exchange import AttnBatch
 
 __all__ = ["RingSchedule", "ring_attention", "ring_schedule"]

@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+import knapformer.distributed.lifetime as lifetime
 from knapformer.config import BalancerConfig
-from knapformer.distributed import lifetime
 from knapformer.distributed.agree import digest62, gather_text, group_device
 from knapformer.errors import BalancerConfigError
 

@@ -11,14 +11,11 @@ few ranks and for 64; matplotlib is imported only here, when a picture is asked 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from knapformer.plan.seqindex import DST, IDX, LEN, SRC
-
-if TYPE_CHECKING:  # Plan.plot imports this module lazily; no runtime circle
-    from knapformer.plan.plan import Plan
+from knapformer.plan.validate import PlanForm
 
 __all__ = ["plot_plan"]
 
@@ -26,7 +23,7 @@ _KEY_SEQS = 10
 """Sequences named in the colour key (the longest ones)."""
 
 
-def _shares(plan: Plan):
+def _shares(plan: PlanForm):
     """(rank, sequence id, cost, at home) for every member of every sequence's group."""
     model = plan.cost_model
     index = plan.index
@@ -49,7 +46,7 @@ def _shares(plan: Plan):
     return out
 
 
-def plot_plan(plan: Plan, path: str | Path, *, title: str | None = None) -> None:
+def plot_plan(plan: PlanForm, path: str | Path, *, title: str | None = None) -> None:
     """Write a PNG of ``plan`` to ``path`` (see the module docstring)."""
     import matplotlib
 

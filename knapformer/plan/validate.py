@@ -7,17 +7,45 @@ the lower bound. The first breach found raises :class:`InvalidPlanError` naming 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from knapformer.plan.problem import validate_seq_lens
-from knapformer.plan.seqindex import DST, IDX, LEN, SRC, START, group_arrays
+from knapformer.plan.seqindex import DST, IDX, LEN, SRC, START, SeqIndex, group_arrays
 
-if TYPE_CHECKING:
-    from knapformer.plan.plan import Plan
+__all__ = ["InvalidPlanError", "PlanForm", "check_plan"]
 
-__all__ = ["InvalidPlanError", "check_plan"]
+
+class PlanForm(Protocol):
+    """What checking (and drawing) a plan reads of it: the plan form of
+    :class:`~knapformer.plan.plan.Plan`, named here so that this module and the picture need
+    not import the module that defines the plan (which imports them)."""
+
+    seq_lens: tuple[tuple[int, ...], ...]
+    groups: tuple[tuple[int, ...], ...]
+    seq_group: np.ndarray
+    chunks: np.ndarray
+    time_before: np.ndarray
+    time_after: np.ndarray
+    lower_bound: float
+    solver: str
+    max_tokens_per_rank: int | None
+    cost_model: object
+    ring: tuple[int, ...] | None
+
+    @property
+    def index(self) -> SeqIndex: ...
+    @property
+    def chunk_gid(self) -> np.ndarray: ...
+    @property
+    def num_ranks(self) -> int: ...
+    @property
+    def rings(self) -> tuple[int, ...]: ...
+    @property
+    def makespan(self) -> float: ...
+    def tokens_per_rank(self) -> np.ndarray: ...
+    def stats(self) -> dict[str, float]: ...
 
 
 class InvalidPlanError(ValueError):
@@ -28,7 +56,7 @@ def _fail(message: str) -> None:
     raise InvalidPlanError(message)
 
 
-def check_plan(plan: Plan) -> None:
+def check_plan(plan: PlanForm) -> None:
     try:
         lens = validate_seq_lens(plan.seq_lens)
     except ValueError as exc:
