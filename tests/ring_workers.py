@@ -4,12 +4,16 @@ builds the same random plans from a seed and compares with one-process per-seque
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 
 from knapformer import BalancerInputError, SequenceBalancer, WorkloadModel
 from knapformer.errors import InvalidPlanError
 from knapformer.plan import plan_from_groups
+from knapformer.plan.plan import chunk_table
+from knapformer.testing.reference import reference_attention
 from tests import group_workers as G
 
 MODEL = WorkloadModel(d_model=48)
@@ -148,6 +152,39 @@ def check_bad_ring_plans(rank: int, world: int) -> list[str]:
     return msgs
 
 
-def check_ring_plans_and_bad_ones(rank: int, world: int, configs, steps: int, seed: int) -> tuple[dict, list[str]]:
-    """:func:`check_ring_plans`, then :func:`check_bad_ring_plans` in the same processes."""
-    return check_ring_plans(rank, world, configs, steps, seed), check_bad_ring_plans(rank, world)
+def check_contiguous_ring_plan(rank: int, world: int) -> dict:
+    """A ring plan whose chunks are contiguous blocks (what earlier releases cut; the planner
+    now cuts zigzag) still validates and runs exactly, causal and not; the zigzag plan of the
+    same sequences holds two chunks per member."""
+    lens = [[61, 5]] + [[3]] * (world - 1)
+    groups = [tuple(range(world))] + [(r,) for r in range(world)]
+    seq_group = [0, 1] + list(range(2, world + 1))
+    zig = plan_from_groups(lens, groups, seq_group, MODEL, ring=[world // 2] + [1] * world)
+    flat = replace(zig, chunks=chunk_table(zig.index, zig.groups, zig.seq_group))
+    flat.validate()
+    bal = SequenceBalancer(f"g1n{world}", MODEL)
+    g = torch.Generator().manual_seed(5)
+    n = sum(map(sum, lens))
+    q, k, v = (torch.randn(n, 2, 3, dtype=torch.float64, generator=g) for _ in range(3))
+    all_lens = [x for r in lens for x in r]
+    start = sum(sum(r) for r in lens[:rank])
+    mine = slice(start, start + sum(lens[rank]))
+    for plan in (zig, flat):
+        bal.use_plan(plan)
+        for causal in (False, True):
+            ref = reference_attention(q, k, v, all_lens, causal=causal)[mine]
+            out = bal.reverse_route(bal.attention(*bal.route(q[mine], k[mine], v[mine]), causal=causal))
+            err = float((out - ref).abs().max()) if out.numel() else 0.0
+            assert err < 1e-10, (plan is flat, causal, err)
+    per_member = np.bincount(zig.chunks[zig.chunk_gid == 0][:, 4], minlength=world)
+    return {"zigzag_chunks_per_member": per_member.tolist()}
+
+
+def check_ring_plans_and_bad_ones(rank: int, world: int, configs, steps: int, seed: int):
+    """:func:`check_ring_plans`, :func:`check_bad_ring_plans` and :func:`check_contiguous_ring_plan`
+    in the same processes."""
+    return (
+        check_ring_plans(rank, world, configs, steps, seed),
+        check_bad_ring_plans(rank, world),
+        check_contiguous_ring_plan(rank, world),
+    )

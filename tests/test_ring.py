@@ -34,10 +34,11 @@ def test_ring_plans_equal_one_process(world):
 
 def test_ring_plans_and_bad_rings_on_4_ranks():
     out = run_distributed(W.check_ring_plans_and_bad_ones, 4, CONFIGS[4], 2, 44, timeout=300)
-    seen = [s for s, _ in out]
+    seen = [s for s, _, _ in out]
     assert {1, 2} <= set().union(*(set(s["u"]) for s in seen)), seen  # pure rings and rings of 2 × 2
     assert any(s["mixed"] for s in seen) and any(s["empty_block"] for s in seen)
-    msgs = [m for _, m in out]
+    msgs = [m for _, m, _ in out]
     same = [m[3].split(" (this is rank")[0] for m in msgs]  # the later layer's error, minus who reads it
     assert all(len(m) == 4 for m in msgs) and all(m[:2] == msgs[0][:2] for m in msgs), msgs
     assert len(set(same)) == 1 and "ranks disagree before data moves" in same[0], same
+    assert out[0][2]["zigzag_chunks_per_member"] == [2] * 4, out[0][2]  # the 61-token ring: two chunks each

@@ -11,7 +11,7 @@
 - **Ring**: a group run as r sub-groups of u (Ulysses inside each, over its block of L/r
   tokens) passes K/V blocks around the ring: r − 1 blocks per layer forward, the blocks and
   their gradients backward, hidden behind the block attention they overlap with
-  (:func:`~knapformer.plan.cost.ring_exposed`); a causal model's sub-groups compute unevenly.
+  (:func:`~knapformer.plan.cost.ring_exposed`); the zigzag cut keeps causal work even.
 - An all-to-all costs ``latency + max(sent, received) / bandwidth`` per link class (inside
   a node / across nodes), a rank's traffic to both classes adding up, plus the executor's
   local copies at the hardware's ``copy_bw`` (route/reverse: gather, pack, unpack, scatter =

@@ -25,10 +25,13 @@ to the block's owner (in the compute dtype: fp32 for fp16/bf16, accumulated ther
 fused kernel path each block's gradients are first rounded to the input dtype), one exchange
 per round issued as soon as that round's blocks are done and awaited a round later.
 
-Causal: blocks are contiguous in sequence order (sub-group s holds the s-th block), so a
-query block sees earlier blocks whole, its own block causally, and later blocks not at all;
-those blocks are neither sent nor computed. The work is then uneven (sub-group s computes
-s + ½ blocks); diffusion transformers attend bidirectionally, where it is even.
+Causal: masks follow from each block's position runs (``GroupEntry.runs``): a query run
+sees an earlier key run whole, its own run causally and a later one not at all (pairs seen by
+nothing are not computed, and a block no query of a peer sees is not sent). The plan cuts ring
+sequences in zigzag order (sub-group s holds half-blocks s and 2r − 1 − s,
+:func:`knapformer.plan.seqindex.zigzag_slots`), so every sub-group computes the same causal
+work: r half×half pairs unmasked plus its two diagonal halves. Every block is then sent whole
+each round (a peer's later half-block sees it), as without masking.
 """
 
 from __future__ import annotations
@@ -41,10 +44,17 @@ import torch
 import torch.distributed as dist
 
 import knapformer.distributed.lifetime as lifetime
-from knapformer.attention.blockwise import aligned_backward, aligned_forward, compute_dtype, merge
+from knapformer.attention.blockwise import (
+    aligned_backward,
+    aligned_forward,
+    block_backward,
+    block_forward,
+    compute_dtype,
+    merge,
+)
 from knapformer.distributed.ulysses.exchange import AttnBatch
 
-__all__ = ["RingSchedule", "ring_attention", "ring_schedule"]
+__all__ = ["RingSchedule", "pair_work", "ring_attention", "ring_schedule"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,12 @@ class _Batch:
     """Ring peer (balancing-group rank) of each sub-group."""
     cu: np.ndarray
     """(r, n + 1) row bounds of each sub-group's block of each sequence."""
+    runs: tuple[tuple[tuple[tuple[int, int, int], ...], ...], ...]
+    """Per sub-group, per sequence: its block's position runs as (first row in the block,
+    first position, length)."""
+    sees: np.ndarray
+    """(r, r) bool: under causal masking, sub-group j's queries see some key of sub-group i's
+    block (``sees[i, j]``; the block is sent from i to j)."""
 
 
 @dataclass(frozen=True)
@@ -88,7 +104,8 @@ def _schedule(entries: tuple, rounds: int, causal: bool) -> RingSchedule:
     for e in entries:
         blocks = np.asarray(e.blocks, dtype=np.int64).reshape(e.ring, -1)
         cu = np.concatenate([np.zeros((e.ring, 1), dtype=np.int64), np.cumsum(blocks, axis=1)], axis=1)
-        static.append(_Batch(pos=e.ring_pos, ring=e.ring, peers=e.ring_peers, cu=cu))
+        runs = tuple(tuple(_run_rows(seq) for seq in sub) for sub in e.runs)
+        static.append(_Batch(pos=e.ring_pos, ring=e.ring, peers=e.ring_peers, cu=cu, runs=runs, sees=_sees(runs)))
     sends, recvs = [], []
     for j in range(1, rounds):
         out, inc = [], []
@@ -96,13 +113,51 @@ def _schedule(entries: tuple, rounds: int, causal: bool) -> RingSchedule:
             if j >= b.ring:
                 continue
             dst, src = (b.pos + j) % b.ring, (b.pos - j) % b.ring
-            if not causal or b.pos < dst:  # a causal query block never sees a later block
+            if not causal or b.sees[b.pos, dst]:  # a causal query sees no later key
                 out.append((i, b.peers[dst]))
-            if not causal or src < b.pos:
+            if not causal or b.sees[src, b.pos]:
                 inc.append((i, b.peers[src], src))
         sends.append(tuple(sorted(out, key=lambda t: t[1])))  # by destination rank, batch order kept
         recvs.append(tuple(sorted(inc, key=lambda t: t[1])))
     return RingSchedule(rounds, tuple(static), tuple(sends), tuple(recvs), causal)
+
+
+def pair_work(entry, causal: bool) -> int:
+    """Query-key pairs this rank's block attends to over every round of its ring entry (a
+    :class:`~knapformer.distributed.spec.GroupEntry` with ``ring`` > 1), for each of its
+    heads: the work the ring computes here, from the same pieces the forward runs."""
+    b = _schedule((entry,), entry.ring, causal).batches[0]
+    total = 0
+    for src in range(b.ring):
+        for qr, kr, mask in _pairs(b, src, causal):
+            nq, nk = qr.stop - qr.start, kr.stop - kr.start
+            if mask is True:
+                total += nq * (nq + 1) // 2
+            elif mask is False:
+                total += nq * nk
+            else:
+                total += int((mask[1][None, :] <= mask[0][:, None]).sum())
+    return total
+
+
+def _run_rows(runs) -> tuple[tuple[int, int, int], ...]:
+    """(start, length) runs -> (first row in the block, start, length)."""
+    out, row = [], 0
+    for start, n in runs:
+        out.append((row, int(start), int(n)))
+        row += int(n)
+    return tuple(out)
+
+
+def _sees(runs) -> np.ndarray:
+    """(r, r): some query of sub-group j attends (causally) to some key of sub-group i, in
+    some sequence — its first key position is before its last query position."""
+    r = len(runs)
+    out = np.zeros((r, r), dtype=bool)
+    for i in range(r):
+        for j in range(r):
+            out[i, j] = any(ki and qj and ki[0][1] < qj[-1][1] + qj[-1][2] for ki, qj in zip(runs[i], runs[j]))
+    return out
 
 
 def _rows(b: _Batch, sub: int) -> int:
@@ -172,13 +227,30 @@ def _kv_split(flat: torch.Tensor, rows: int, hkv: int, d: int, dv: int) -> tuple
     return kv[:, : hkv * d].unflatten(1, (hkv, d)), kv[:, hkv * d :].unflatten(1, (hkv, dv))
 
 
-def _pairs(b: _Batch, src: int):
-    """Per sequence: (query rows, key rows of sub-group ``src``'s block, same block) where both
-    are non-empty."""
+def _pairs(b: _Batch, src: int, causal: bool):
+    """The (query rows, key rows of sub-group ``src``'s block, mask) pieces to compute, per
+    sequence: without masking each sequence's blocks whole (mask None); causal, per pair of
+    position runs — ``False`` (an earlier run: unmasked), ``True`` (the same run: causal from
+    both starts), or the two runs' positions (general: never met by the plan's cuts); runs
+    that see nothing are skipped."""
     for i in range(b.cu.shape[1] - 1):
         q0, q1, k0, k1 = int(b.cu[b.pos, i]), int(b.cu[b.pos, i + 1]), int(b.cu[src, i]), int(b.cu[src, i + 1])
-        if q1 > q0 and k1 > k0:
-            yield slice(q0, q1), slice(k0, k1), src == b.pos
+        if q1 <= q0 or k1 <= k0:
+            continue
+        if not causal:
+            yield slice(q0, q1), slice(k0, k1), False
+            continue
+        for qr, qs, qn in b.runs[b.pos][i]:
+            for kr, ks, kn in b.runs[src][i]:
+                if ks >= qs + qn:
+                    continue
+                rows_q, rows_k = slice(q0 + qr, q0 + qr + qn), slice(k0 + kr, k0 + kr + kn)
+                if ks + kn <= qs:
+                    yield rows_q, rows_k, False
+                elif (ks, kn) == (qs, qn):
+                    yield rows_q, rows_k, True
+                else:
+                    yield rows_q, rows_k, (torch.arange(qs, qs + qn), torch.arange(ks, ks + kn))
 
 
 class _RingAttention(torch.autograd.Function):
@@ -270,16 +342,24 @@ class _RingAttention(torch.autograd.Function):
 
 
 def _forward_pairs(b: _Batch, src: int, q, k, v, o, lse, causal: bool) -> None:
-    for qr, kr, diagonal in _pairs(b, src):
-        ob, lb = aligned_forward(q[qr], k[kr], v[kr], causal=causal and diagonal)
+    for qr, kr, mask in _pairs(b, src, causal):
+        if isinstance(mask, tuple):
+            pq, pk = (m.to(q.device) for m in mask)
+            ob, lb = block_forward(q[qr], k[kr], v[kr], pq, pk, causal=True)
+        else:
+            ob, lb = aligned_forward(q[qr], k[kr], v[kr], causal=mask)
         o[qr], lse[:, qr] = merge(o[qr], lse[:, qr], ob, lb)
 
 
 def _backward_pairs(b: _Batch, src: int, q, k, v, do, o, lse, delta, dq, dk, dv, causal: bool) -> None:
-    for qr, kr, diagonal in _pairs(b, src):
-        gq, gk, gv = aligned_backward(
-            q[qr], k[kr], v[kr], do[qr], o[qr], lse[:, qr], delta[:, qr], causal=causal and diagonal
-        )
+    for qr, kr, mask in _pairs(b, src, causal):
+        if isinstance(mask, tuple):
+            pq, pk = (m.to(q.device) for m in mask)
+            gq, gk, gv = block_backward(
+                q[qr], k[kr], v[kr], do[qr], lse[:, qr], delta[:, qr], pq, pk, causal=True, keep_precision=True
+            )
+        else:
+            gq, gk, gv = aligned_backward(q[qr], k[kr], v[kr], do[qr], o[qr], lse[:, qr], delta[:, qr], causal=mask)
         dq[qr] += gq
         dk[kr] += gk
         dv[kr] += gv

@@ -69,7 +69,11 @@ class GroupEntry:
     across them."""
     blocks: tuple[tuple[int, ...], ...] = ()
     """With a ring: per sub-group, its block of each sequence (tokens, attention order) — the
-    sub-group's members' chunks together, contiguous in the sequence."""
+    sub-group's members' chunks together, in sequence order."""
+    runs: tuple[tuple[tuple[tuple[int, int], ...], ...], ...] = ()
+    """With a ring: per sub-group, per sequence, the block's contiguous position ranges
+    ``(start, length)`` in order (zigzag: half-blocks s and 2r − 1 − s, one range where they
+    meet). Causal masks between blocks follow from them."""
 
     @property
     def degree(self) -> int:
@@ -183,9 +187,9 @@ class RouteSpec:
         return self._device_cache[key]
 
 
-def _ring_blocks(ch, gid, grp, g: int, members, seqs: np.ndarray, r: int) -> tuple[tuple[int, ...], ...]:
+def _ring_blocks(ch, gid, grp, g: int, members, seqs: np.ndarray, r: int):
     """Per sub-group of group ``g`` (r of them, consecutive members): its tokens of each of
-    ``seqs`` — the block it holds, since chunk i of a sequence sits on member i."""
+    ``seqs`` (the block it holds: its members' chunks) and the block's position runs."""
     sel = np.flatnonzero(grp == g)
     u = len(members) // r
     member_of = {m: i for i, m in enumerate(members)}
@@ -193,7 +197,18 @@ def _ring_blocks(ch, gid, grp, g: int, members, seqs: np.ndarray, r: int) -> tup
     seq_pos = np.searchsorted(seqs, gid[sel])
     out = np.zeros((r, seqs.size), dtype=np.int64)
     np.add.at(out, (sub, seq_pos), ch[sel, LEN])
-    return tuple(tuple(int(x) for x in row) for row in out)
+    runs: list[list[list[tuple[int, int]]]] = [[[] for _ in range(seqs.size)] for _ in range(r)]
+    order = np.lexsort((ch[sel, START], seq_pos, sub))
+    for s_, q, start, n in zip(
+        sub[order].tolist(), seq_pos[order].tolist(), *ch[sel[order]][:, [START, LEN]].T.tolist()
+    ):
+        mine = runs[s_][q]
+        if mine and mine[-1][0] + mine[-1][1] == start:
+            mine[-1] = (mine[-1][0], mine[-1][1] + n)
+        else:
+            mine.append((start, n))
+    blocks = tuple(tuple(int(x) for x in row) for row in out)
+    return blocks, tuple(tuple(tuple(q) for q in row) for row in runs)
 
 
 def build_route_spec(plan: Plan, rank: int) -> RouteSpec:
@@ -253,6 +268,7 @@ def build_route_spec(plan: Plan, rank: int) -> RouteSpec:
         n = int(ch[to_me[grp[to_me] == g], LEN].sum())
         seqs = np.flatnonzero(seq_group == g)
         r = int(rings[g])
+        blocks, runs = _ring_blocks(ch, gid, grp, g, members, seqs, r) if r > 1 else ((), ())
         e = GroupEntry(
             group=g,
             members=members,
@@ -261,7 +277,8 @@ def build_route_spec(plan: Plan, rank: int) -> RouteSpec:
             hi=lo + n,
             seq_lens=tuple(index.lengths[seqs].tolist()),
             ring=r,
-            blocks=_ring_blocks(ch, gid, grp, g, members, seqs, r) if r > 1 else (),
+            blocks=blocks,
+            runs=runs,
         )
         if e.degree == 1:  # one-rank groups come first; a plan may list this rank's more than once
             local_tokens, local_lens = local_tokens + n, local_lens + e.seq_lens

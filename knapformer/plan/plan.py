@@ -13,6 +13,11 @@ sequences the same way:
   ...`` (mod k), and the group's ``offset`` advances by ``L mod k`` after each sequence
   (global id order). Token counts of a bag's ranks therefore differ by at most one.
 - chunk position i lives on the group's i-th rank; positions with zero tokens get no row.
+- a ring group (k = u·r members as r sub-groups of u, ``Plan.ring``) cuts each sequence into
+  2k positions instead — 2r half-blocks of u chunks — and gives sub-group s half-blocks s and
+  2r − 1 − s (*zigzag*, :func:`zigzag_slots`): under causal masking every sub-group then
+  attends to the same number of key tokens (a contiguous cut makes the last do (2r − 1)/r of
+  the mean), and without masking the order costs nothing. Each member holds two chunks.
 
 Chunk table rows: ``[src_rank, seq_index, start, length, dst_rank]`` sorted by
 ``(src_rank, seq_index, start)``.
@@ -44,8 +49,10 @@ from knapformer.plan.seqindex import (
     SeqIndex,
     group_arrays,
     group_members,
+    slot_arrays,
     spread_over_groups,
     sum_by,
+    zigzag_slots,
 )
 from knapformer.plan.validate import InvalidPlanError, check_plan
 from knapformer.workload import WorkloadModel
@@ -59,19 +66,30 @@ __all__ = [
     "moldable_lower_bound",
     "plan_from_groups",
     "rank_features",
+    "slot_arrays",
     "spread_over_groups",
+    "zigzag_slots",
 ]
 
 
-def chunk_table(index: SeqIndex, groups, seq_group: np.ndarray) -> np.ndarray:
-    """Vectorised chunking of every sequence in its group (see module docstring)."""
+def chunk_table(index: SeqIndex, groups, seq_group: np.ndarray, ring=None) -> np.ndarray:
+    """Vectorised chunking of every sequence in its group (see module docstring); ``ring``
+    (per group) cuts ring groups' sequences in zigzag order.
+
+    A sequence is cut into *units* — k of one chunk each, or for a ring group 2r half-blocks
+    of u chunks each — evenly (the leftover tokens rotate over the group's units from one
+    sequence to the next, and over a half-block's chunks), so half-blocks differ by at most
+    one token and the zigzag work stays even."""
     n = index.num_seqs
     if n == 0:
         return np.zeros((0, 5), dtype=np.int64)
     lengths = index.lengths
-    sizes, mat = group_arrays(groups)
-    k = sizes[seq_group]
-    base, rem = lengths // k, lengths % k
+    slots, mat = slot_arrays(groups, ring)
+    sizes = group_arrays(groups)[0]
+    rings = np.ones(len(groups), dtype=np.int64) if ring is None else np.asarray(ring, dtype=np.int64)
+    units_g = np.where(rings > 1, 2 * rings, sizes)
+    units, split, k = units_g[seq_group], (slots // units_g)[seq_group], slots[seq_group]
+    base, rem = lengths // units, lengths % units
     # Rotation offset: leftovers of earlier sequences in the same group, in global id order.
     order = np.argsort(seq_group, kind="stable")
     rem_sorted = rem[order]
@@ -80,14 +98,14 @@ def chunk_table(index: SeqIndex, groups, seq_group: np.ndarray) -> np.ndarray:
     first = np.searchsorted(group_sorted, group_sorted, side="left")
     offset = np.empty(n, dtype=np.int64)
     offset[order] = csum - csum[first]
-    offset %= k
-    # One row per (sequence, group position).
+    # One row per (sequence, chunk position); position p is chunk p % split of unit p // split.
     seq_of_row = np.repeat(np.arange(n), k)
     row_start = np.cumsum(k) - k
     pos = np.arange(seq_of_row.shape[0]) - np.repeat(row_start, k)
-    kr = k[seq_of_row]
-    extra = ((pos - offset[seq_of_row]) % kr) < rem[seq_of_row]
-    length = base[seq_of_row] + extra.astype(np.int64)
+    sp, off = split[seq_of_row], offset[seq_of_row]
+    unit, t = pos // sp, pos % sp
+    unit_len = base[seq_of_row] + (((unit - off) % units[seq_of_row]) < rem[seq_of_row]).astype(np.int64)
+    length = unit_len // sp + (((t - off) % sp) < unit_len % sp).astype(np.int64)
     csum_len = np.cumsum(length)
     seq_first = np.repeat(csum_len[row_start] - length[row_start], k)
     start = csum_len - length - seq_first
@@ -123,19 +141,12 @@ def rank_features(
 ) -> RankFeatures:
     """Per-rank features of a chunk table (see module docstring). A ring group's members share
     the attention evenly too (each attends its block's L/r queries to all L keys for h/u
-    heads), except under ``causal`` masking: contiguous blocks make sub-group s attend to s
-    whole blocks and half its own, (2s + 1)/r of the even share."""
+    heads), under ``causal`` masking as well: the zigzag cut gives every sub-group the same
+    causal work (``causal`` and ``ring`` are kept for callers; they change nothing)."""
     S = index.num_ranks
     sizes = group_arrays(groups)[0].astype(np.float64)
     L = index.lengths.astype(np.float64)
     attn = spread_over_groups(groups, seq_group, L * L / sizes[seq_group], S)
-    if causal and ring is not None:
-        for g in np.unique(seq_group[np.asarray(ring)[seq_group] > 1]).tolist() if seq_group.size else []:
-            members, r = groups[g], int(ring[g])
-            share = float((L[seq_group == g] ** 2).sum()) / len(members)
-            u = len(members) // r
-            for j, m in enumerate(members):
-                attn[m] += share * ((2 * (j // u) + 1) / r - 1.0)
     return RankFeatures(
         tokens=sum_by(chunks[:, DST], chunks[:, LEN], S),
         attn=attn,
@@ -393,7 +404,7 @@ def build_plan(
         of_size = {k: problem.ring_of(k) for k in {len(g) for g in groups}}
         ring = tuple(of_size[len(g)] for g in groups)
     ring = tuple(int(r) for r in ring) if any(r != 1 for r in ring) else None
-    chunks = chunk_table(problem.index, groups, seq_group)
+    chunks = chunk_table(problem.index, groups, seq_group, ring)
     time_after = rank_times(problem, groups, seq_group, chunks, ring)
     moved = int(chunks[chunks[:, SRC] != chunks[:, DST], LEN].sum())
     plan = Plan(

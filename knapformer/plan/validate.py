@@ -1,7 +1,8 @@
 """Checking a plan against the invariants of the plan form (:meth:`Plan.validate <knapformer.plan.plan.Plan.validate>`).
 
 Groups of distinct ranks of the group; every sequence covered exactly by contiguous chunks in
-group order (at most one per member, none on a non-member); the memory cap; no makespan below
+group order (at most one per member, none on a non-member; ring groups: zigzag order, at most
+two per member); the memory cap; no makespan below
 the lower bound. The first breach found raises :class:`InvalidPlanError` naming it.
 """
 
@@ -12,7 +13,7 @@ from typing import Protocol
 import numpy as np
 
 from knapformer.plan.problem import validate_seq_lens
-from knapformer.plan.seqindex import DST, IDX, LEN, SRC, START, SeqIndex, group_arrays
+from knapformer.plan.seqindex import DST, IDX, LEN, SRC, START, SeqIndex, group_arrays, zigzag_slots
 
 __all__ = ["InvalidPlanError", "PlanForm", "check_plan"]
 
@@ -136,10 +137,24 @@ def check_plan(plan: PlanForm) -> None:
                 f"not a member of its group {tuple(plan.groups[int(grp[np.flatnonzero(~inside)[0]])])}"
             )
         pos = member.argmax(axis=1)
-        order = np.ones(gid.size, dtype=bool)
-        order[1:] = first_row[1:] | (pos[1:] > pos[:-1])
+        order = _increasing(pos, first_row)
+        rings = np.asarray(plan.rings, dtype=np.int64)
+        ringed = rings[grp] > 1
+        if ringed.any() and not order.all():
+            # ring groups: zigzag order (two chunks per member; what the planner cuts) or group
+            # order (contiguous blocks: plans of earlier releases), one of them per sequence
+            zig = pos.copy()
+            zig[ringed] = _zigzag_positions(pos, ringed, first_row, grp, sizes, rings)
+            zig_ok = _increasing(zig, first_row) & (zig >= 0)
+            bad_plain = np.bincount(gid, weights=~order, minlength=n) > 0
+            bad_zig = np.bincount(gid, weights=~zig_ok, minlength=n) > 0
+            ok_seq = ~bad_plain | (~bad_zig & (rings[sb] > 1))
+            order = ok_seq[gid]
         if not order.all():
-            _fail(f"{where(~order)} chunks are not in group order / one per member")
+            what = (
+                "group order (ring groups: or zigzag order, two per member)" if ringed[~order].any() else "group order"
+            )
+            _fail(f"{where(~order)} chunks are not in {what} / one per member")
     if plan.max_tokens_per_rank is not None:
         tok = plan.tokens_per_rank()
         worst = int(np.argmax(tok)) if tok.size else 0
@@ -149,3 +164,34 @@ def check_plan(plan: PlanForm) -> None:
         _fail(f"time_before/time_after must have one entry per rank ({S})")
     if plan.makespan < plan.lower_bound * (1 - 1e-9):
         _fail("plan beats its lower bound")
+
+
+def _increasing(pos: np.ndarray, first_row: np.ndarray) -> np.ndarray:
+    """Per row: its position is past the previous row's of the same sequence."""
+    ok = np.ones(pos.size, dtype=bool)
+    ok[1:] = first_row[1:] | (pos[1:] > pos[:-1])
+    return ok
+
+
+def _zigzag_positions(pos, ringed, first_row, grp, sizes, rings) -> np.ndarray:
+    """For the rows of ring groups (in (sequence, start) order): the zigzag chunk position of
+    each row's member — its first slot while that is past the previous row's, else its second
+    (-1 if neither is: an order breach). Ring sequences are few and long; a loop over their rows."""
+    out = []
+    prev = -1
+    slots_of: dict[tuple[int, int], list[list[int]]] = {}
+    for i in np.flatnonzero(ringed).tolist():
+        g = int(grp[i])
+        key = (int(sizes[g]), int(rings[g]))
+        if key not in slots_of:
+            slot_member = zigzag_slots(*key)
+            table = [[] for _ in range(key[0])]
+            for slot, m in enumerate(slot_member.tolist()):
+                table[m].append(slot)
+            slots_of[key] = table
+        if first_row[i]:
+            prev = -1
+        first, second = slots_of[key][int(pos[i])]
+        prev = first if first > prev else second if second > prev else -1
+        out.append(prev)
+    return np.asarray(out, dtype=np.int64)

@@ -68,8 +68,6 @@ def member_costs(problem: PlanProblem) -> tuple[tuple[int, ...], np.ndarray]:
     for k in D:
         r = problem.ring_of(k)
         c = model.chunk_cost(-(-L // k), L, k)
-        if model.causal and r > 1:  # the last sub-group attends to (2r − 1)/r of the even share
-            c = c + model.quad(L) / k * ((2 * r - 1) / r - 1)
         if link is not None and k > 1:
             c = c * (1.0 + link.sync_jitter * float(jitter_factor(k)))
             c = c + member_comm_estimate(L, k, model, link, cross=k > link.gpus_per_node, ring=r)
