@@ -24,13 +24,18 @@ Parts:
    (r = 2, 4; causal and not; GQA), each block pair run and merged by log-sum-exp as a ring
    rank would, forward and backward against whole-sequence attention (fp64 exact, bf16
    close), and the blocks' time next to SDPA on the whole sequence (what the tiled GPU
-   fallback costs; CPU ranks use PyTorch's fused kernel instead).
+   fallback costs; CPU ranks use PyTorch's fused kernel instead);
+7. ring attention's block kernels (``knapformer.attention.lse``): each kernel's probe verdict
+   on the device (bf16, 24 heads of 128), agreement with the tiled reference, and one ring
+   rank's block work (L/4 queries against 4 blocks, forward + backward) timed with its peak
+   memory for L = 8k, 32k, 128k — fused kernels vs the tiled path vs SDPA in one call.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 import json
 import os
@@ -454,6 +459,102 @@ def part_ring(smoke: bool) -> dict:
     return {"status": "ok" if ok else "failed", "worst_rel_err": worst, "rows": rows, "timing": timing}
 
 
+# -- part 7 -------------------------------------------------------------------------------------------
+def _one_rank_blocks(kernel, q, k, v, do, r: int):
+    """One ring rank's block work for a sequence of r blocks: its query block (q) against the r
+    key/value blocks of k, v (forward, merged by log-sum-exp), then the backward of each pair
+    against the final output and log-sum-exp."""
+    from knapformer.attention import blockwise as B
+
+    n = k.shape[0] // r
+    dt = B.compute_dtype(q)
+    o = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=dt, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=dt, device=q.device)
+    for j in range(r):
+        ob, lb = kernel.forward(q, k[j * n : (j + 1) * n], v[j * n : (j + 1) * n], False)
+        o, lse = B.merge(o, lse, ob, lb)
+    grads = [kernel.backward(do, q, k[j * n : (j + 1) * n], v[j * n : (j + 1) * n], o, lse, False) for j in range(r)]
+    dq = sum(g[0] for g in grads)
+    return o, dq, torch.cat([g[1] for g in grads]), torch.cat([g[2] for g in grads])
+
+
+def _peak(fn, device) -> float | None:
+    """Peak GiB allocated above the start while ``fn`` runs (CUDA only)."""
+    if device.type != "cuda":
+        fn()
+        return None
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - start) / 2**30
+
+
+def part_ring_kernels(smoke: bool) -> dict:
+    """Ring attention's block kernels (``knapformer.attention.lse``) on the device: which pass
+    their probe, their agreement with the tiled reference, and one ring rank's block work
+    (r = 4 blocks: L/4 queries against 4 key/value blocks, forward + backward, bf16, 24 heads of
+    128) timed with its peak memory, next to SDPA doing the same attention in one call."""
+    import torch.nn.functional as F
+
+    from knapformer.attention import lse as K
+
+    device = torch.device("cpu") if smoke else _cuda()
+    dtype = torch.float32 if smoke else torch.bfloat16
+    h, d = (4, 32) if smoke else (24, 128)
+    names = list(K.KERNELS)
+    report = K.kernel_report(tuple(names), device.type, dtype, d, d)
+    usable = [n for n in names if report[n] is None]
+    g = torch.Generator(device=device).manual_seed(0)
+    rows, agreement = [], {}
+    lens = (512,) if smoke else (8192, 32768, 131072)
+    for L in lens:
+        q = torch.randn(L // 4, h, d, device=device, dtype=dtype, generator=g)
+        k, v = (torch.randn(L, h, d, device=device, dtype=dtype, generator=g) for _ in range(2))
+        do = torch.randn_like(q)
+        ref = None
+        for name in usable:
+            if name == "tiled" and L > 32768:
+                rows.append({"L": L, "kernel": name, "skipped": "tiled above 32k tokens: minutes per call"})
+                continue
+            kern = K.KERNELS[name]
+            try:
+                out = _one_rank_blocks(kern, q, k, v, do, 4)
+                if name == "tiled" or ref is None:
+                    ref = ref if ref is not None else (name, out)
+                if ref[0] != name:
+                    err = max(
+                        float((a.float() - b.float()).abs().max()) / max(float(b.float().abs().max()), 1e-30)
+                        for a, b in zip(out, ref[1])
+                    )
+                    agreement[f"{name} vs {ref[0]} L={L}"] = err
+                work = functools.partial(_one_rank_blocks, kern, q, k, v, do, 4)
+                secs = _time(work, 3, device)
+                rows.append({"L": L, "kernel": name, "seconds": secs, "peak_gib": _peak(work, device)})
+            except Exception as exc:  # e.g. out of memory at 128k on the tiled path
+                rows.append({"L": L, "kernel": name, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
+        qs, ks, vs = (t.transpose(0, 1)[None].detach().requires_grad_() for t in (q, k, v))
+
+        def sdpa(qs=qs, ks=ks, vs=vs, do=do):
+            out = F.scaled_dot_product_attention(qs, ks, vs)
+            out.backward(do.transpose(0, 1)[None])
+
+        rows.append(
+            {"L": L, "kernel": "sdpa (one call)", "seconds": _time(sdpa, 3, device), "peak_gib": _peak(sdpa, device)}
+        )
+    worst = max(agreement.values(), default=0.0)
+    ok = worst <= (1e-4 if dtype == torch.float32 else 5e-2) and any(r.get("seconds") for r in rows)
+    return {
+        "status": "ok" if ok else "failed",
+        "probe": report,
+        "usable": usable,
+        "agreement": agreement,
+        "worst_rel_err": worst,
+        "rows": rows,
+    }
+
+
 def _run(name: str, fn, results: dict) -> None:
     t = time.perf_counter()
     try:
@@ -474,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, CUDA parts skipped (CI)")
     p.add_argument("--out", default=None, help="output folder (default runs/accelerator[/smoke])")
-    p.add_argument("--parts", default="1,2,3,4,5,6", help="comma-separated part numbers to run")
+    p.add_argument("--parts", default="1,2,3,4,5,6,7", help="comma-separated part numbers to run")
     args = p.parse_args(argv)
     out_dir = Path(args.out) if args.out else ROOT / "runs" / "accelerator" / ("smoke" if args.smoke else "")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -494,6 +595,8 @@ def main(argv: list[str] | None = None) -> int:
         _run("5 simulate on dedicated cores", lambda: part_simulate(smoke), results)
     if 6 in parts:
         _run("6 ring block math", lambda: part_ring(smoke), results)
+    if 7 in parts:
+        _run("7 ring block kernels", lambda: part_ring_kernels(smoke), results)
     meta = {
         "smoke": smoke,
         "torch": torch.__version__,
@@ -532,6 +635,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"    ring blocks L={L}: 4 blocks fwd+bwd {t['ring_blocks_forward_backward_s'] * 1e3:.1f} ms"
                 f" vs SDPA forward {t['sdpa_forward_s'] * 1e3:.1f} ms"
             )
+    kern = results.get("7 ring block kernels", {})
+    if "rows" in kern:
+        lines.append(
+            f"    block kernels usable: {', '.join(kern['usable'])}; worst disagreement {kern['worst_rel_err']:.1e}"
+        )
+        for r in kern["rows"]:
+            if "seconds" in r:
+                mem = f", peak {r['peak_gib']:.2f} GiB" if r.get("peak_gib") is not None else ""
+                lines.append(f"    ring rank blocks L={r['L']} {r['kernel']}: {r['seconds'] * 1e3:.1f} ms{mem}")
     text = "\n".join(lines)
     (out_dir / "check.txt").write_text(text + "\n")
     print(text)

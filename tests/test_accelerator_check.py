@@ -18,11 +18,13 @@ def test_accelerator_check_smoke(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads((tmp_path / "check.json").read_text())
     parts = report["parts"]
-    assert len(parts) == 6 and report["meta"]["smoke"] is True
+    assert len(parts) == 7 and report["meta"]["smoke"] is True
     for name, part in parts.items():
         assert part["status"] in ("ok", "skipped"), (name, part)
         if part["status"] == "skipped":
             assert part["reason"], name
     assert parts["2 executor (1-rank group)"]["round_trip_exact"]
     assert parts["6 ring block math"]["worst_rel_err"]["fp64"] <= 1e-9
+    kernels = parts["7 ring block kernels"]
+    assert {"cpu_flash", "tiled"} <= set(kernels["usable"]) and kernels["worst_rel_err"] <= 1e-4, kernels
     assert (tmp_path / "check.txt").read_text().startswith("accelerator check")

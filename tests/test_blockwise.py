@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from knapformer.attention import blockwise as B
+from knapformer.attention.lse import KERNELS
 from knapformer.testing import reference_attention
 
 
@@ -57,35 +58,37 @@ def test_blocks_merged_and_their_backward_equal_whole_attention(case, causal, he
         assert torch.allclose(got, want, atol=1e-12, rtol=0)
 
 
-@pytest.mark.parametrize("dv", [8, 6])  # 8: PyTorch's fused CPU kernel; 6: the tiled fallback
+@pytest.mark.parametrize("kernel", ["cpu_flash", "tiled"])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 1)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_aligned_blocks_equal_the_general_ones(dv, heads, causal):
+def test_cpu_block_kernels_equal_the_general_block_math(kernel, heads, causal):
     """Blocks whose positions start at 0 (what ring attention pairs: the diagonal causally,
-    other blocks whole) give the same output, lse and gradients on either path, fp64."""
+    other blocks whole): PyTorch's fused CPU kernel and the tiled kernel give the general
+    positions-masked math's output, lse and gradients, fp64."""
     h, h_kv = heads
     g = torch.Generator().manual_seed(1)
     n = m = 9 if causal else 7
     q = torch.randn(n, h, 8, generator=g, dtype=torch.float64)
     k = torch.randn(m, h_kv, 8, generator=g, dtype=torch.float64)
-    v = torch.randn(m, h_kv, dv, generator=g, dtype=torch.float64)
+    v = torch.randn(m, h_kv, 8, generator=g, dtype=torch.float64)
     pq, pk = torch.arange(n), torch.arange(m)
-    o, lse = B.aligned_forward(q, k, v, causal=causal)
+    K = KERNELS[kernel]
+    o, lse = K.forward(q, k, v, causal)
     o_ref, lse_ref = B.block_forward(q, k, v, pq, pk, causal=causal)
     assert torch.allclose(o, o_ref, atol=1e-12) and torch.allclose(lse, lse_ref, atol=1e-12)
     do = torch.randn(o.shape, generator=g, dtype=torch.float64)
     delta = (do * o).sum(-1).transpose(0, 1)
-    got = B.aligned_backward(q, k, v, do, o, lse, delta, causal=causal)
+    got = K.backward(do, q, k, v, o, lse, causal)
     want = B.block_backward(q, k, v, do, lse, delta, pq, pk, causal=causal)
     for a, b in zip(got, want):
-        assert torch.allclose(a, b, atol=1e-12)
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-12)
 
 
-def test_aligned_blocks_in_bf16_stay_close():
+def test_fused_cpu_blocks_in_bf16_stay_close():
     """bf16 blocks: outputs and lse in fp32, within bf16 rounding of the fp64 result."""
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(16, 2, 8, generator=g, dtype=torch.float64) for _ in range(3))
-    o, lse = B.aligned_forward(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=False)
-    o_ref, lse_ref = B.aligned_forward(q, k, v, causal=False)
+    o, lse = KERNELS["cpu_flash"].forward(q.bfloat16(), k.bfloat16(), v.bfloat16(), False)
+    o_ref, lse_ref = KERNELS["tiled"].forward(q, k, v, False)
     assert o.dtype == lse.dtype == torch.float32
     assert (o.double() - o_ref).abs().max() < 3e-2 and (lse.double() - lse_ref).abs().max() < 3e-2

@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 from knapformer import WorkloadModel
 from knapformer.errors import InvalidPlanError
 from knapformer.plan import plan_from_groups
+from knapformer.plan.chunks import zigzag_slots
 from knapformer.plan.plan import chunk_table
-from knapformer.plan.seqindex import DST, LEN, START, zigzag_slots
+from knapformer.plan.seqindex import DST, LEN, START
 
 MODEL = WorkloadModel(d_model=64, causal=True)
 

@@ -42,6 +42,9 @@ class Backend:
     """Why the backend cannot run on tensors like ``q`` (None: it can)."""
     auto_priority: int | None = None
     """``auto`` picks the usable backend with the highest priority; None = never by ``auto``."""
+    block_kernels: tuple[str, ...] = ("cuda_flash", "cuda_efficient", "cpu_flash", "tiled")
+    """Ring attention's block kernels (:mod:`knapformer.attention.lse`) in preference order:
+    the first that can run (and passes its probe) computes every block."""
 
 
 def check_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -10,9 +10,9 @@ the *final* log-sum-exp:
 
 with δ = Σ_d do ⊙ o per query and head. Masks come from token positions (causal: a key
 attends to a query at or after it), so blocks of any arrangement (contiguous or zigzag) work.
-Exact math in the inputs' precision (fp32 for fp16/bf16; the fused CPU path of
-:func:`aligned_forward` rounds each half-precision block to its dtype first), queries taken in
-tiles so that the score matrix stays tile × block.
+Exact math in the inputs' precision (fp32 for fp16/bf16), queries taken in tiles so that the
+score matrix stays tile × block: the reference every fused kernel of
+:mod:`knapformer.attention.lse` is checked against, and the fallback where none applies.
 
 Shapes: q (A, h, D), k (B, h_kv, D), v (B, h_kv, Dv), o (A, h, Dv), lse (h, A); positions
 (A,) and (B,) int64.
@@ -24,7 +24,7 @@ import math
 
 import torch
 
-__all__ = ["aligned_backward", "aligned_forward", "block_backward", "block_forward", "compute_dtype", "merge"]
+__all__ = ["block_backward", "block_forward", "compute_dtype", "merge"]
 
 TILE = 1024
 """Query rows per score matrix."""
@@ -103,63 +103,3 @@ def block_backward(q, k, v, do, lse, delta, q_pos, k_pos, *, causal: bool, keep_
     if keep_precision:
         return dq, dk, dv
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-def _fused_op(q: torch.Tensor, v: torch.Tensor):
-    """PyTorch's fused CPU flash-attention kernel (with its log-sum-exp) when it applies to
-    these inputs (CPU, D == Dv), else None."""
-    if q.device.type != "cpu" or q.shape[2] != v.shape[2]:
-        return None
-    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-
-
-def _bhld(t: torch.Tensor, h: int) -> torch.Tensor:
-    """(L, h_kv, D) -> (1, h, L, D), kv heads repeated for their query heads."""
-    return _expand(t, h).transpose(0, 1).unsqueeze(0)
-
-
-def aligned_forward(q, k, v, *, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`block_forward` for blocks whose positions both start at 0 (``causal``: the
-    diagonal block of contiguous blocks; a query block sees earlier blocks whole and is not
-    paired with later ones). Runs PyTorch's fused CPU kernel where it applies (10× the tiled
-    math on the development machine at 2k tokens); o in the compute dtype. The fused kernel
-    computes in the input dtype, so for fp16/bf16 each block's output (and, in the backward,
-    its gradients) is rounded to it before the fp32 merge — exact for fp32/fp64, within the
-    input's rounding for half types (``tests/test_blockwise.py`` bounds it)."""
-    op = _fused_op(q, v)
-    if op is None:
-        n, m = q.shape[0], k.shape[0]
-        return block_forward(q, k, v, torch.arange(n, device=q.device), torch.arange(m, device=q.device), causal=causal)
-    h = q.shape[1]
-    o, lse = op(_bhld(q, h), _bhld(k, h), _bhld(v, h), 0.0, causal)
-    return o[0].transpose(0, 1).to(compute_dtype(q)), lse[0].to(compute_dtype(q))
-
-
-def aligned_backward(q, k, v, do, o, lse, delta, *, causal: bool):
-    """:func:`block_backward` for aligned blocks (see :func:`aligned_forward`), given the
-    queries' *final* output ``o`` and ``lse``; results in the compute dtype."""
-    op = _fused_op(q, v)
-    if op is None:
-        n, m = q.shape[0], k.shape[0]
-        pos_q, pos_k = torch.arange(n, device=q.device), torch.arange(m, device=q.device)
-        return block_backward(q, k, v, do, lse, delta, pos_q, pos_k, causal=causal, keep_precision=True)
-    h, hk = q.shape[1], k.shape[1]
-    bw = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-    out = o.to(q.dtype)
-    gq, gk, gv = bw(
-        _bhld(do.to(q.dtype), h),
-        _bhld(q, h),
-        _bhld(k, h),
-        _bhld(v, h),
-        _bhld(out, h),
-        lse[None].float() if q.dtype in (torch.float16, torch.bfloat16) else lse[None],
-        0.0,
-        causal,
-    )
-    dt = compute_dtype(q)
-    gq = gq[0].transpose(0, 1).to(dt)
-    gk, gv = gk[0].transpose(0, 1).to(dt), gv[0].transpose(0, 1).to(dt)
-    if h != hk:  # a kv head served several query heads: their gradients add up
-        gk = gk.unflatten(1, (hk, h // hk)).sum(2)
-        gv = gv.unflatten(1, (hk, h // hk)).sum(2)
-    return gq, gk, gv

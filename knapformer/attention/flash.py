@@ -65,4 +65,11 @@ def flash_cross(q, k, v, cu_q: list[int], cu_k: list[int]) -> torch.Tensor:
     )
 
 
-BACKEND = Backend(name="flash", attend=flash_varlen, cross=flash_cross, unavailable=_unavailable, auto_priority=10)
+BACKEND = Backend(
+    name="flash",
+    attend=flash_varlen,
+    cross=flash_cross,
+    unavailable=_unavailable,
+    auto_priority=10,
+    block_kernels=("flash_attn", "cuda_flash", "cuda_efficient", "tiled"),
+)

@@ -15,6 +15,7 @@ import torch
 
 import knapformer.distributed.cross as cross
 import knapformer.distributed.ring as ring
+import knapformer.distributed.trace as trace
 import knapformer.distributed.ulysses as ulysses
 from knapformer.attention.varlen import varlen_attention
 from knapformer.distributed.agree import describe
@@ -64,7 +65,9 @@ class AttentionCalls:
             rings = [g for g, r in zip(spec.used_groups, spec.used_rings) if r > 1]
             raise InvalidPlanError(
                 f"SequenceBalancer.pre_attn: this plan runs ring attention (groups {rings}), which a single "
-                "varlen kernel call cannot; use bal.attention (or a plan without rings)"
+                "varlen kernel call cannot (rounds of blocks merged by their log-sum-exp); use bal.attention "
+                "(your own kernel can run the blocks as a block kernel: knapformer.attention.lse) or a plan "
+                "without rings (layout 'auto:noring')"
             )
         call = self._pre(q, k, v)
         self._call = call
@@ -102,16 +105,17 @@ class AttentionCalls:
     def _attention_eager(self, q, k, v, causal: bool) -> torch.Tensor:
         call = self._pre(q, k, v, "attention")
         backend = self.config.attn_backend
-        outs = [
-            None
-            if b.ring is not None
-            else varlen_attention(b.q, b.k, b.v, b.cu_seqlens, b.max_len, causal=causal, backend=backend)
-            for b in call.batches
-        ]
+        with trace.span(trace.ATTENTION):
+            outs = [
+                None
+                if b.ring is not None
+                else varlen_attention(b.q, b.k, b.v, b.cu_seqlens, b.max_len, causal=causal, backend=backend)
+                for b in call.batches
+            ]
         _, spec = self._require_spec()
         if spec.ring_rounds > 1:  # every rank joins the ring rounds, with ring batches or not
             outs, call.anchor = ring.ring_attention(
-                call.batches, outs, call.anchor, spec.ring_rounds, spec.num_ranks, self.group, causal
+                call.batches, outs, call.anchor, spec.ring_rounds, spec.num_ranks, self.group, causal, backend
             )
         return self._post(call, outs)
 

@@ -32,6 +32,7 @@ import knapformer.distributed.compiled as compiled
 import knapformer.distributed.cross as cross
 import knapformer.distributed.lifetime as lifetime
 import knapformer.distributed.ops as ops
+import knapformer.distributed.trace as trace
 import knapformer.distributed.ulysses as ulysses
 from knapformer.config import BalancerConfig
 from knapformer.distributed.agree import digest62, group_device
@@ -159,6 +160,10 @@ class SequenceBalancer(AttentionCalls):
         the balancing group (an agreement, then two all-gathers); returns the same
         :class:`Plan` on every rank. ``local_seq_lens``: a list, a numpy array or a 1-D integer
         tensor of this rank's sequence lengths (empty is fine)."""
+        with trace.span(trace.PLAN):
+            return self._plan_step(local_seq_lens)
+
+    def _plan_step(self, local_seq_lens: Sequence[int]) -> Plan:
         device = group_device(self.group)
         S = self.layout.group_size
         error, lens = "", []
@@ -222,6 +227,10 @@ class SequenceBalancer(AttentionCalls):
         different every step). Collective: every rank must pass the identical plan; it is
         validated and its digest agreed before use, so a bad or different plan raises on every
         rank. The local tensors must follow ``plan.seq_lens[group_rank]``."""
+        with trace.span(trace.PLAN):
+            return self._use_plan_step(plan)
+
+    def _use_plan_step(self, plan: Plan) -> Plan:
         error, spec = "", None
         try:
             if not isinstance(plan, Plan):

@@ -56,7 +56,7 @@ def route_context(bal: _Balancer, context: torch.Tensor, lens: Sequence[int]) ->
     route = build_context_route(plan, bal.group_rank, all_lens)
     rows = context.index_select(0, torch.from_numpy(route.send_rows).to(context.device))
     if route.moves:
-        rows = ops.all_to_all(rows, route.send_splits, route.recv_splits, bal.group)
+        rows = ops.all_to_all(rows, route.send_splits, route.recv_splits, bal.group, "route_context")
     seq_id = spec.indices_on(context.device)["routed_seq_id"]
     return routed_context(rows, torch.from_numpy(route.seq_ids), route.lens.tolist(), seq_id)
 

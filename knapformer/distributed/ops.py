@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 import knapformer.distributed.lifetime as lifetime
+import knapformer.distributed.trace as trace
 from knapformer.distributed.spec import RouteSpec
 
 __all__ = ["all_to_all", "gather_sequences", "permute_rows", "reverse_route", "route"]
@@ -39,14 +40,16 @@ class _AllToAll(torch.autograd.Function):
     """One ``all_to_all_single`` along dim 0; backward sends gradients the opposite way."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:  # type: ignore[override]
-        ctx.splits = (send, recv, group)
-        return _exchange(x, send, recv, group)
+    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group, name: str) -> torch.Tensor:  # type: ignore[override]
+        ctx.splits = (send, recv, group, name)
+        with trace.span(f"{trace.EXCHANGE}.{name}"):
+            return _exchange(x, send, recv, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        send, recv, group = ctx.splits
-        return _exchange(grad, recv, send, group), None, None, None
+        send, recv, group, name = ctx.splits
+        with trace.span(f"{trace.EXCHANGE}.{name}.backward"):
+            return _exchange(grad, recv, send, group), None, None, None, None
 
 
 def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
@@ -58,11 +61,12 @@ def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch
     return out
 
 
-def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group=None) -> torch.Tensor:
-    """Differentiable uneven all-to-all along dim 0 (splits in rows, indexed by group rank)."""
+def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group=None, name: str = "all_to_all") -> torch.Tensor:
+    """Differentiable uneven all-to-all along dim 0 (splits in rows, indexed by group rank);
+    ``name`` labels its profiler range (``knapformer.exchange.<name>``)."""
     if x.dtype == torch.bool:
-        return _AllToAll.apply(x.view(torch.uint8), send, recv, group).view(torch.bool)
-    return _AllToAll.apply(x, send, recv, group)
+        return _AllToAll.apply(x.view(torch.uint8), send, recv, group, name).view(torch.bool)
+    return _AllToAll.apply(x, send, recv, group, name)
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -105,6 +109,7 @@ def _packed_exchange(
     rows_before=_identity,
     rows_after=_identity,
     after=None,
+    name: str = "all_to_all",
 ) -> list[torch.Tensor]:
     """Exchange several tensors with one collective per dtype, copying each value as few times
     as possible (this runs twice per attention layer in multi-rank bags).
@@ -126,7 +131,7 @@ def _packed_exchange(
         widths = [s.shape[-1] for s in sent]
         packed = sent[0].contiguous() if len(sent) == 1 else torch.cat(sent, dim=-1)
         packed = rows_before(packed.reshape(math.prod(packed.shape[:-1]), sum(widths)))
-        moved = rows_after(all_to_all(packed, send, recv, group))
+        moved = rows_after(all_to_all(packed, send, recv, group, name))
         pieces = [moved] if len(sent) == 1 else torch.split(moved, widths, dim=1)
         for i, piece in zip(idx, pieces):
             out[i] = after(piece, tensors[i])
@@ -148,6 +153,7 @@ def route(tensors: Sequence[torch.Tensor], spec: RouteSpec, group=None) -> list[
         group,
         rows_before=lambda p: permute_rows(p, idx["send_index"], idx["send_inverse"]),
         rows_after=after,
+        name="route",
     )
 
 
@@ -166,6 +172,7 @@ def reverse_route(tensors: Sequence[torch.Tensor], spec: RouteSpec, group=None) 
         group,
         rows_before=before,
         rows_after=lambda p: permute_rows(p, idx["send_inverse"], idx["send_index"]),
+        name="reverse_route",
     )
 
 
@@ -180,4 +187,5 @@ def gather_sequences(tensors: Sequence[torch.Tensor], counts: list[int], rank: i
         list(counts),
         group,
         before=lambda t: _rows_by_features(t).repeat(S, 1),
+        name="gather_sequences",
     )

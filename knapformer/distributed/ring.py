@@ -44,14 +44,9 @@ import torch
 import torch.distributed as dist
 
 import knapformer.distributed.lifetime as lifetime
-from knapformer.attention.blockwise import (
-    aligned_backward,
-    aligned_forward,
-    block_backward,
-    block_forward,
-    compute_dtype,
-    merge,
-)
+import knapformer.distributed.trace as trace
+from knapformer.attention.blockwise import block_backward, block_forward, compute_dtype, merge
+from knapformer.attention.lse import LseKernel, block_kernel
 from knapformer.distributed.ulysses.exchange import AttnBatch
 
 __all__ = ["RingSchedule", "pair_work", "ring_attention", "ring_schedule"]
@@ -258,7 +253,7 @@ class _RingAttention(torch.autograd.Function):
     rank without ring batches still runs the backward rounds the others run."""
 
     @staticmethod
-    def forward(ctx, sched: RingSchedule, world: int, group, through, *qkv):  # type: ignore[override]
+    def forward(ctx, sched: RingSchedule, world: int, group, kernels, through, *qkv):  # type: ignore[override]
         n = len(sched.batches)
         qs, ks, vs = qkv[:n], qkv[n : 2 * n], qkv[2 * n :]
         dtype, device = through.dtype, through.device  # q's dtype on every rank (agreed)
@@ -270,30 +265,32 @@ class _RingAttention(torch.autograd.Function):
 
         pending = exchange(1) if sched.rounds > 1 else None
         outs, lses = [], []
-        for b, q, k, v in zip(sched.batches, qs, ks, vs):
-            dt = compute_dtype(q)
-            o = torch.zeros((q.shape[0], q.shape[1], v.shape[2]), dtype=dt, device=device)
-            lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=dt, device=device)
-            _forward_pairs(b, b.pos, q, k, v, o, lse, sched.causal)
-            outs.append(o)
-            lses.append(lse)
+        with trace.span(f"{trace.RING}.round.0"):
+            for i, (b, q, k, v) in enumerate(zip(sched.batches, qs, ks, vs)):
+                dt = compute_dtype(q)
+                o = torch.zeros((q.shape[0], q.shape[1], v.shape[2]), dtype=dt, device=device)
+                lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=dt, device=device)
+                _forward_pairs(b, b.pos, q, k, v, o, lse, sched.causal, kernels[i])
+                outs.append(o)
+                lses.append(lse)
         for j in range(1, sched.rounds):
-            got = pending.wait()
-            pending = None
-            if j + 1 < sched.rounds:
-                pending = exchange(j + 1)
-            for i, sub, flat in got:
-                b, q, v = sched.batches[i], qs[i], vs[i]
-                kk, vv = _kv_split(flat, _rows(b, sub), ks[i].shape[1], ks[i].shape[2], v.shape[2])
-                _forward_pairs(b, sub, q, kk, vv, outs[i], lses[i], sched.causal)
-        ctx.sched, ctx.world, ctx.group = sched, world, group
+            with trace.span(f"{trace.RING}.round.{j}"):
+                got = pending.wait()
+                pending = None
+                if j + 1 < sched.rounds:
+                    pending = exchange(j + 1)
+                for i, sub, flat in got:
+                    b, q, v = sched.batches[i], qs[i], vs[i]
+                    kk, vv = _kv_split(flat, _rows(b, sub), ks[i].shape[1], ks[i].shape[2], v.shape[2])
+                    _forward_pairs(b, sub, q, kk, vv, outs[i], lses[i], sched.causal, kernels[i])
+        ctx.sched, ctx.world, ctx.group, ctx.kernels = sched, world, group, kernels
         ctx.save_for_backward(*qs, *ks, *vs, *outs, *lses)
         results = [o.to(dtype) for o in outs]
         return (*results, through.view_as(through))
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
-        sched, world, group = ctx.sched, ctx.world, ctx.group
+        sched, world, group, kernels = ctx.sched, ctx.world, ctx.group, ctx.kernels
         n = len(sched.batches)
         saved = ctx.saved_tensors
         qs, ks, vs, outs, lses = (saved[i * n : (i + 1) * n] for i in range(5))
@@ -311,47 +308,79 @@ class _RingAttention(torch.autograd.Function):
         dk = [torch.zeros(k.shape, dtype=compute_dtype(q), device=device) for q, k in zip(qs, ks)]
         dv = [torch.zeros(v.shape, dtype=compute_dtype(q), device=device) for q, v in zip(qs, vs)]
         pending = exchange(1) if sched.rounds > 1 else None
-        for i, b in enumerate(sched.batches):
-            _backward_pairs(
-                b, b.pos, qs[i], ks[i], vs[i], dos[i], outs[i], lses[i], deltas[i], dq[i], dk[i], dv[i], sched.causal
-            )
+        with trace.span(f"{trace.RING}.backward.round.0"):
+            for i, b in enumerate(sched.batches):
+                _backward_pairs(
+                    b,
+                    b.pos,
+                    qs[i],
+                    ks[i],
+                    vs[i],
+                    dos[i],
+                    outs[i],
+                    lses[i],
+                    deltas[i],
+                    dq[i],
+                    dk[i],
+                    dv[i],
+                    sched.causal,
+                    kernels[i],
+                )
         grads_back: _Exchange | None = None
         for j in range(1, sched.rounds):
-            got = pending.wait()
-            pending = None
-            if j + 1 < sched.rounds:
-                pending = exchange(j + 1)
-            partials = []
-            for i, sub, flat in got:
-                b = sched.batches[i]
-                rows = _rows(b, sub)
-                kk, vv = _kv_split(flat, rows, ks[i].shape[1], ks[i].shape[2], vs[i].shape[2])
-                pk = torch.zeros(kk.shape, dtype=gdtype, device=device)
-                pv = torch.zeros(vv.shape, dtype=gdtype, device=device)
-                _backward_pairs(b, sub, qs[i], kk, vv, dos[i], outs[i], lses[i], deltas[i], dq[i], pk, pv, sched.causal)
-                partials.append(_kv_flat(pk, pv))
-            if grads_back is not None:
-                _add_partials(grads_back.wait(), dk, dv, ks, vs)
-            grads_back = _Exchange(sched, j, partials, widths, world, group, gdtype, device, reverse=True)
+            with trace.span(f"{trace.RING}.backward.round.{j}"):
+                got = pending.wait()
+                pending = None
+                if j + 1 < sched.rounds:
+                    pending = exchange(j + 1)
+                partials = []
+                for i, sub, flat in got:
+                    b = sched.batches[i]
+                    rows = _rows(b, sub)
+                    kk, vv = _kv_split(flat, rows, ks[i].shape[1], ks[i].shape[2], vs[i].shape[2])
+                    pk = torch.zeros(kk.shape, dtype=gdtype, device=device)
+                    pv = torch.zeros(vv.shape, dtype=gdtype, device=device)
+                    _backward_pairs(
+                        b,
+                        sub,
+                        qs[i],
+                        kk,
+                        vv,
+                        dos[i],
+                        outs[i],
+                        lses[i],
+                        deltas[i],
+                        dq[i],
+                        pk,
+                        pv,
+                        sched.causal,
+                        kernels[i],
+                    )
+                    partials.append(_kv_flat(pk, pv))
+                if grads_back is not None:
+                    _add_partials(grads_back.wait(), dk, dv, ks, vs)
+                grads_back = _Exchange(sched, j, partials, widths, world, group, gdtype, device, reverse=True)
         if grads_back is not None:
             _add_partials(grads_back.wait(), dk, dv, ks, vs)
         dqs = [g.to(q.dtype) for g, q in zip(dq, qs)]
         dks = [g.to(k.dtype) for g, k in zip(dk, ks)]
         dvs = [g.to(v.dtype) for g, v in zip(dv, vs)]
-        return None, None, None, d_through, *dqs, *dks, *dvs
+        return None, None, None, None, d_through, *dqs, *dks, *dvs
 
 
-def _forward_pairs(b: _Batch, src: int, q, k, v, o, lse, causal: bool) -> None:
+def _forward_pairs(b: _Batch, src: int, q, k, v, o, lse, causal: bool, kernel: LseKernel) -> None:
     for qr, kr, mask in _pairs(b, src, causal):
         if isinstance(mask, tuple):
             pq, pk = (m.to(q.device) for m in mask)
             ob, lb = block_forward(q[qr], k[kr], v[kr], pq, pk, causal=True)
         else:
-            ob, lb = aligned_forward(q[qr], k[kr], v[kr], causal=mask)
+            ob, lb = kernel.forward(q[qr], k[kr], v[kr], mask)
         o[qr], lse[:, qr] = merge(o[qr], lse[:, qr], ob, lb)
 
 
-def _backward_pairs(b: _Batch, src: int, q, k, v, do, o, lse, delta, dq, dk, dv, causal: bool) -> None:
+def _backward_pairs(
+    b: _Batch, src: int, q, k, v, do, o, lse, delta, dq, dk, dv, causal: bool, kernel: LseKernel
+) -> None:
     for qr, kr, mask in _pairs(b, src, causal):
         if isinstance(mask, tuple):
             pq, pk = (m.to(q.device) for m in mask)
@@ -359,7 +388,7 @@ def _backward_pairs(b: _Batch, src: int, q, k, v, do, o, lse, delta, dq, dk, dv,
                 q[qr], k[kr], v[kr], do[qr], lse[:, qr], delta[:, qr], pq, pk, causal=True, keep_precision=True
             )
         else:
-            gq, gk, gv = aligned_backward(q[qr], k[kr], v[kr], do[qr], o[qr], lse[:, qr], delta[:, qr], causal=mask)
+            gq, gk, gv = kernel.backward(do[qr], q[qr], k[kr], v[kr], o[qr], lse[:, qr], mask)
         dq[qr] += gq
         dk[kr] += gk
         dv[kr] += gv
@@ -375,19 +404,28 @@ def _add_partials(got, dk, dv, ks, vs) -> None:
 
 
 def ring_attention(
-    batches: list[AttnBatch], outs: list, anchor: torch.Tensor | None, rounds: int, world: int, group, causal: bool
+    batches: list[AttnBatch],
+    outs: list,
+    anchor: torch.Tensor | None,
+    rounds: int,
+    world: int,
+    group,
+    causal: bool,
+    backend: str = "auto",
 ) -> tuple[list, torch.Tensor | None]:
     """Complete the ring batches of one layer: ``outs`` (per batch, None for ring batches)
-    gets their outputs; every rank joins all ``rounds`` of the plan. Returns the outputs and
-    the anchor to hand to the post exchange (the ring's pass-through, so that the backward
-    rounds run on every rank)."""
+    gets their outputs; every rank joins all ``rounds`` of the plan. Blocks run on the block
+    kernel of the attention ``backend`` (:func:`knapformer.attention.lse.block_kernel`).
+    Returns the outputs and the anchor to hand to the post exchange (the ring's pass-through,
+    so that the backward rounds run on every rank)."""
     ring = [i for i, b in enumerate(batches) if b.ring is not None]
     others = [i for i, b in enumerate(batches) if b.ring is None and b.degree > 1]
     sched = ring_schedule([batches[i] for i in ring], rounds, causal)
     through_index = others[0] if others else None
     through = outs[through_index] if through_index is not None else anchor
     qkv = [batches[i].q for i in ring] + [batches[i].k for i in ring] + [batches[i].v for i in ring]
-    res = _RingAttention.apply(sched, world, group, through, *qkv)
+    kernels = [block_kernel(backend, batches[i].q, batches[i].k, batches[i].v) for i in ring]
+    res = _RingAttention.apply(sched, world, group, kernels, through, *qkv)
     outs = list(outs)
     for i, o in zip(ring, res[: len(ring)]):
         outs[i] = o

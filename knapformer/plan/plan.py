@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from knapformer.cost_terms import COST_TERMS, coefficients
+from knapformer.plan.chunks import chunk_table, slot_arrays, zigzag_slots
 from knapformer.plan.cost import comm_features, jitter_factor, ring_seconds, route_seconds, ulysses_seconds
 from knapformer.plan.problem import PlanProblem, moldable_lower_bound
 from knapformer.plan.seqindex import (
@@ -49,10 +50,8 @@ from knapformer.plan.seqindex import (
     SeqIndex,
     group_arrays,
     group_members,
-    slot_arrays,
     spread_over_groups,
     sum_by,
-    zigzag_slots,
 )
 from knapformer.plan.validate import InvalidPlanError, check_plan
 from knapformer.workload import WorkloadModel
@@ -70,49 +69,6 @@ __all__ = [
     "spread_over_groups",
     "zigzag_slots",
 ]
-
-
-def chunk_table(index: SeqIndex, groups, seq_group: np.ndarray, ring=None) -> np.ndarray:
-    """Vectorised chunking of every sequence in its group (see module docstring); ``ring``
-    (per group) cuts ring groups' sequences in zigzag order.
-
-    A sequence is cut into *units* — k of one chunk each, or for a ring group 2r half-blocks
-    of u chunks each — evenly (the leftover tokens rotate over the group's units from one
-    sequence to the next, and over a half-block's chunks), so half-blocks differ by at most
-    one token and the zigzag work stays even."""
-    n = index.num_seqs
-    if n == 0:
-        return np.zeros((0, 5), dtype=np.int64)
-    lengths = index.lengths
-    slots, mat = slot_arrays(groups, ring)
-    sizes = group_arrays(groups)[0]
-    rings = np.ones(len(groups), dtype=np.int64) if ring is None else np.asarray(ring, dtype=np.int64)
-    units_g = np.where(rings > 1, 2 * rings, sizes)
-    units, split, k = units_g[seq_group], (slots // units_g)[seq_group], slots[seq_group]
-    base, rem = lengths // units, lengths % units
-    # Rotation offset: leftovers of earlier sequences in the same group, in global id order.
-    order = np.argsort(seq_group, kind="stable")
-    rem_sorted = rem[order]
-    csum = np.cumsum(rem_sorted) - rem_sorted
-    group_sorted = seq_group[order]
-    first = np.searchsorted(group_sorted, group_sorted, side="left")
-    offset = np.empty(n, dtype=np.int64)
-    offset[order] = csum - csum[first]
-    # One row per (sequence, chunk position); position p is chunk p % split of unit p // split.
-    seq_of_row = np.repeat(np.arange(n), k)
-    row_start = np.cumsum(k) - k
-    pos = np.arange(seq_of_row.shape[0]) - np.repeat(row_start, k)
-    sp, off = split[seq_of_row], offset[seq_of_row]
-    unit, t = pos // sp, pos % sp
-    unit_len = base[seq_of_row] + (((unit - off) % units[seq_of_row]) < rem[seq_of_row]).astype(np.int64)
-    length = unit_len // sp + (((t - off) % sp) < unit_len % sp).astype(np.int64)
-    csum_len = np.cumsum(length)
-    seq_first = np.repeat(csum_len[row_start] - length[row_start], k)
-    start = csum_len - length - seq_first
-    dst = mat[seq_group[seq_of_row], pos]
-    keep = length > 0
-    table = np.stack([index.src_rank[seq_of_row], index.seq_index[seq_of_row], start, length, dst], axis=1)[keep]
-    return np.ascontiguousarray(table, dtype=np.int64)
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,8 @@ __all__ = [
     "START",
     "SeqIndex",
     "group_arrays",
-    "slot_arrays",
     "spread_over_groups",
     "sum_by",
-    "zigzag_slots",
 ]
 
 SRC, IDX, START, LEN, DST = range(5)
@@ -147,28 +145,3 @@ plan's groups; the cost functions ask for them a dozen times per candidate plan)
 group_arrays = _cached(_arrays)
 """(G,) group sizes and (G, max size) group ranks padded with -1 (cached for tuples of tuples;
 read-only then)."""
-
-
-def zigzag_slots(k: int, r: int) -> np.ndarray:
-    """(2k,) the member position of each chunk position of a ring group of ``k`` members as
-    ``r`` sub-groups of u = k/r: half-block b (u positions) goes to sub-group b for b < r and
-    to sub-group 2r − 1 − b after, chunk t of a half-block to the sub-group's member t."""
-    u = k // r
-    p = np.arange(2 * k, dtype=np.int64)
-    half, t = p // u, p % u
-    return np.where(half < r, half, 2 * r - 1 - half) * u + t
-
-
-def slot_arrays(groups, ring=None) -> tuple[np.ndarray, np.ndarray]:
-    """(G,) chunk positions per group and (G, max) the rank of each position (padded with
-    -1): a group's members in order, or for a ring group (``ring[g]`` > 1) its zigzag slots."""
-    sizes, mat = group_arrays(groups)
-    if ring is None or not any(int(r) > 1 for r in ring):
-        return sizes, mat
-    rings = np.asarray(ring, dtype=np.int64)
-    slots = np.where(rings > 1, 2 * sizes, sizes)
-    out = np.full((len(groups), int(slots.max())), -1, dtype=np.int64)
-    out[:, : mat.shape[1]] = mat
-    for g in np.flatnonzero(rings > 1).tolist():
-        out[g, : slots[g]] = mat[g, zigzag_slots(int(sizes[g]), int(rings[g]))]
-    return slots, out

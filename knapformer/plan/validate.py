@@ -12,8 +12,9 @@ from typing import Protocol
 
 import numpy as np
 
+from knapformer.plan.chunks import zigzag_slots
 from knapformer.plan.problem import validate_seq_lens
-from knapformer.plan.seqindex import DST, IDX, LEN, SRC, START, SeqIndex, group_arrays, zigzag_slots
+from knapformer.plan.seqindex import DST, IDX, LEN, SRC, START, SeqIndex, group_arrays
 
 __all__ = ["InvalidPlanError", "PlanForm", "check_plan"]
 

@@ -215,7 +215,7 @@ def pre_attn_batches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Ro
         send = torch.cat([_by_member(t, lay.one_group[0], index) for t in (qm, km, vm)], dim=-1).view(-1)
     else:
         send = _Pack.apply(lay, n1, lay.replicated, qm, km, vm)
-    recv = all_to_all(send, lay.pre_send, lay.pre_recv, group)
+    recv = all_to_all(send, lay.pre_send, lay.pre_recv, group, "pre_attn")
     if lay.degrees:
         idx = lay.indices_on(q.device)
         rows = recv.view(-1, lay.pre_rows)
@@ -251,7 +251,7 @@ def post_attn_batches(call: UlyssesCall, outs: list[torch.Tensor], spec: RouteSp
         # nothing to send back; the empty buffer still hangs off the pre exchange so that this
         # rank joins both backward exchanges the other ranks are in
         send = call.anchor.to(outs[0].dtype) if outs else call.anchor
-    recv = all_to_all(send, lay.post_send, lay.post_recv, group)
+    recv = all_to_all(send, lay.post_send, lay.post_recv, group, "post_attn")
     n1 = spec.local_tokens
     shape = (spec.num_routed - n1, h, dv)
     if lay.one_group is not None:  # plain views and one copy; autograd needs no custom step
