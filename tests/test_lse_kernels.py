@@ -94,3 +94,14 @@ def test_the_backend_registry_picks_the_block_kernel_for_real_tensors():
     assert L.block_kernel("auto", q, q, q).name == "cpu_flash"
     assert L.block_kernel("sdpa", q, q[:, :1], q[:, :1]).name == "cpu_flash"  # GQA probe too
     assert L.block_kernel("sdpa", q, q, torch.zeros(4, 2, 6, dtype=fp64)).name == "tiled"
+
+
+def test_the_probe_is_not_fooled_by_the_autocast_region_it_first_runs_in():
+    """The verdict is cached per process: a first call inside a CPU bf16 autocast region (a
+    training step) must still find the fused kernel sound."""
+    L._probe.cache_clear()
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert L.choose_kernel(SDPA, "cpu", fp32, 40, 40) == "cpu_flash"
+    finally:
+        L._probe.cache_clear()

@@ -289,6 +289,13 @@ def _probe(name: str, device: str, dtype: torch.dtype, d: int, dv: int, gqa: boo
     backward); None if they agree to the dtype's rounding, else the reason."""
     if name == "tiled":
         return None
+    # outside autocast and autograd: the verdict is cached for the process, so the context of
+    # the first call (a bf16 autocast region, a training step) must not decide it
+    with torch.autocast(device_type=device, enabled=False), torch.no_grad():
+        return _compare(name, device, dtype, d, dv, gqa)
+
+
+def _compare(name: str, device: str, dtype: torch.dtype, d: int, dv: int, gqa: bool) -> str | None:
     g = torch.Generator(device="cpu").manual_seed(0)
     hk = 1 if gqa else 2
     shapes = ((37, 2, d), (37, hk, d), (37, hk, dv), (37, 2, dv))
