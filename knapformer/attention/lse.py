@@ -257,11 +257,18 @@ def _flash_attn_conditions(device: str, dtype: torch.dtype, d: int, dv: int) -> 
         return f"flash-attn needs float16 or bfloat16, got {dtype}"
     if d != dv or d > 256:
         return f"flash-attn needs D = Dv ≤ 256 (got {d}, {dv})"
+    return None if _flash_attn_importable() else "flash-attn is not importable"
+
+
+@functools.cache
+def _flash_attn_importable() -> bool:
+    """Checked once: a failed import is not cached by Python and would search the path again
+    on every layer's call."""
     try:
         import flash_attn  # noqa: F401
     except Exception:
-        return "flash-attn is not importable"
-    return None
+        return False
+    return True
 
 
 KERNELS: dict[str, LseKernel] = {
@@ -358,5 +365,10 @@ def block_kernel(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     from knapformer.attention.registry import resolve_backend
 
     prefs = resolve_backend(backend, q).block_kernels
-    name = choose_kernel(prefs, q.device.type, q.dtype, q.shape[2], v.shape[2], gqa=k.shape[1] != q.shape[1])
-    return KERNELS[name]
+    return KERNELS[_chosen(prefs, q.device.type, q.dtype, q.shape[2], v.shape[2], k.shape[1] != q.shape[1])]
+
+
+@functools.lru_cache(maxsize=256)
+def _chosen(prefs: tuple[str, ...], device: str, dtype: torch.dtype, d: int, dv: int, gqa: bool) -> str:
+    """:func:`choose_kernel`, remembered: ring attention asks once per layer and ring batch."""
+    return choose_kernel(prefs, device, dtype, d, dv, gqa=gqa)
