@@ -13,6 +13,14 @@ FLASH = get_backend("flash").block_kernels
 bf16, fp16, fp32, fp64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
 
 
+@pytest.fixture
+def fresh_probe():
+    """Probe verdicts are cached per process: start and leave with none."""
+    L._probe.cache_clear()
+    yield
+    L._probe.cache_clear()
+
+
 @pytest.mark.parametrize(
     ("prefs", "device", "dtype", "d", "dv", "want"),
     [
@@ -55,7 +63,7 @@ def test_on_cpu_the_fused_kernel_passes_its_probe_and_is_chosen(dtype):
     assert L.choose_kernel(SDPA, "cpu", dtype, 16, 16) == "cpu_flash"
 
 
-def test_a_kernel_that_gets_the_lse_wrong_fails_its_probe_and_is_skipped(monkeypatch):
+def test_a_kernel_that_gets_the_lse_wrong_fails_its_probe_and_is_skipped(monkeypatch, fresh_probe):
     cpu = L.KERNELS["cpu_flash"]
 
     def off_by_one(q, k, v, causal):
@@ -63,25 +71,17 @@ def test_a_kernel_that_gets_the_lse_wrong_fails_its_probe_and_is_skipped(monkeyp
         return o, lse + 1.0
 
     monkeypatch.setitem(L.KERNELS, "cpu_flash", L.LseKernel("cpu_flash", off_by_one, cpu.backward, cpu.conditions))
-    L._probe.cache_clear()
-    try:
-        assert L.choose_kernel(SDPA, "cpu", fp64, 24, 24) == "tiled"
-        assert "lse differs from the tiled math" in L.kernel_report(SDPA, "cpu", fp64, 24, 24)["cpu_flash"]
-    finally:
-        L._probe.cache_clear()
+    assert L.choose_kernel(SDPA, "cpu", fp64, 24, 24) == "tiled"
+    assert "lse differs from the tiled math" in L.kernel_report(SDPA, "cpu", fp64, 24, 24)["cpu_flash"]
 
 
-def test_a_kernel_that_raises_fails_its_probe_with_the_reason(monkeypatch):
+def test_a_kernel_that_raises_fails_its_probe_with_the_reason(monkeypatch, fresh_probe):
     def broken(*args):
         raise TypeError("unexpected keyword argument 'window_size'")
 
     monkeypatch.setitem(L.KERNELS, "cpu_flash", L.LseKernel("cpu_flash", broken, broken, L._cpu_conditions))
-    L._probe.cache_clear()
-    try:
-        assert L.choose_kernel(SDPA, "cpu", fp64, 32, 32) == "tiled"
-        assert "TypeError: unexpected keyword argument" in L.kernel_report(SDPA, "cpu", fp64, 32, 32)["cpu_flash"]
-    finally:
-        L._probe.cache_clear()
+    assert L.choose_kernel(SDPA, "cpu", fp64, 32, 32) == "tiled"
+    assert "TypeError: unexpected keyword argument" in L.kernel_report(SDPA, "cpu", fp64, 32, 32)["cpu_flash"]
 
 
 def test_unknown_kernel_names_are_refused():
@@ -96,12 +96,8 @@ def test_the_backend_registry_picks_the_block_kernel_for_real_tensors():
     assert L.block_kernel("sdpa", q, q, torch.zeros(4, 2, 6, dtype=fp64)).name == "tiled"
 
 
-def test_the_probe_is_not_fooled_by_the_autocast_region_it_first_runs_in():
+def test_the_probe_is_not_fooled_by_the_autocast_region_it_first_runs_in(fresh_probe):
     """The verdict is cached per process: a first call inside a CPU bf16 autocast region (a
     training step) must still find the fused kernel sound."""
-    L._probe.cache_clear()
-    try:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert L.choose_kernel(SDPA, "cpu", fp32, 40, 40) == "cpu_flash"
-    finally:
-        L._probe.cache_clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert L.choose_kernel(SDPA, "cpu", fp32, 40, 40) == "cpu_flash"

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from knapformer.attention.blockwise import block_backward, block_forward, compute_dtype
+from knapformer.attention.blockwise import _expand, block_backward, block_forward, compute_dtype
 
 __all__ = ["KERNELS", "LseKernel", "block_kernel", "choose_kernel", "kernel_conditions", "kernel_report"]
 
@@ -55,11 +55,6 @@ class LseKernel:
     """(do, q, k, v, o, lse, causal) -> (dq, dk, dv)."""
     conditions: Callable[[str, torch.dtype, int, int], str | None]
     """(device type, dtype, D, Dv) -> why it cannot run (None: it can, subject to the probe)."""
-
-
-def _expand(t: torch.Tensor, h: int) -> torch.Tensor:
-    rep = h // t.shape[1]
-    return t if rep == 1 else t.repeat_interleave(rep, dim=1)
 
 
 def _bhld(t: torch.Tensor, h: int) -> torch.Tensor:
