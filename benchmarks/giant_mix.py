@@ -21,7 +21,7 @@ Columns, each the mean over steps of the predicted step (planner units) ÷ the s
   sequence gets the power-of-two CP size ⌈L / cap⌉ rounds up to, sequences in decreasing cost
   go to the aligned block of that size whose busiest member is least loaded; run on the same
   executor (so the same Ulysses × ring pricing), best cap of 1k … 256k tokens per rank per step;
-- bound: :func:`knapformer.plan.problem.moldable_lower_bound` over every allowed degree, ring
+- bound: :func:`knapformer.plan.bound.moldable_lower_bound` over every allowed degree, ring
   exchanges priced like the plans' (Ulysses inside a node × ring across nodes);
 - ``today`` (with ``--baseline DIR``, a checkout of an earlier revision): that revision's
   ``auto`` on the same lengths, priced by *this* revision's cost function (its plan's groups

@@ -19,7 +19,7 @@ from knapformer.cluster.model import ModelShape, predict_step, predict_unbalance
 from knapformer.config import BalancerConfig
 from knapformer.layout import AutoLayout, BagLayout, parse_layout
 from knapformer.plan import plan_sequences
-from knapformer.plan.solvers.moldable import layout_menu
+from knapformer.plan.solvers.menu import layout_menu
 from knapformer.workload import WorkloadModel
 
 __all__ = ["LayoutResult", "bag_sizes_for", "candidate_layouts", "default_config", "evaluate", "search_layouts"]

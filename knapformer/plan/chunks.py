@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from knapformer.plan.seqindex import SeqIndex, group_arrays
+from knapformer.plan.seqindex import SeqIndex, group_arrays, stable_order
 
 __all__ = ["chunk_table", "slot_arrays", "zigzag_slots"]
 
@@ -50,15 +50,51 @@ def chunk_table(index: SeqIndex, groups, seq_group: np.ndarray, ring=None) -> np
     n = index.num_seqs
     if n == 0:
         return np.zeros((0, 5), dtype=np.int64)
-    lengths = index.lengths
     slots, mat = slot_arrays(groups, ring)
+    k_all = slots[seq_group]
+    whole = k_all == 1
+    if whole.all():  # every sequence on one rank: one row each
+        return _whole_rows(index, mat[seq_group, 0])
+    if whole.any():  # the whole ones as one row each, the split ones cut below; rows in id order
+        split_ids = np.flatnonzero(~whole)
+        cut, counts = _cut(index, groups, seq_group, ring, slots, mat, split_ids)
+        per_seq = whole.astype(np.int64)
+        per_seq[split_ids] = counts
+        at = np.cumsum(per_seq) - per_seq  # each sequence's first row
+        rows = np.empty((int(per_seq.sum()), 5), dtype=np.int64)
+        w_ids = np.flatnonzero(whole)
+        rows[at[w_ids]] = _whole_rows(index, mat[seq_group[w_ids], 0], w_ids)
+        rows[np.repeat(at[split_ids], counts) + _ranks_within(counts)] = cut
+        return rows
+    return _cut(index, groups, seq_group, ring, slots, mat, np.arange(n))[0]
+
+
+def _whole_rows(index: SeqIndex, dst: np.ndarray, ids: np.ndarray | None = None) -> np.ndarray:
+    src, idx, ln = index.src_rank, index.seq_index, index.lengths
+    if ids is not None:
+        src, idx, ln = src[ids], idx[ids], ln[ids]
+    return np.stack([src, idx, np.zeros_like(ln), ln, dst], axis=1).astype(np.int64)
+
+
+def _ranks_within(counts: np.ndarray) -> np.ndarray:
+    """0, 1, …, c − 1 for each count c, concatenated."""
+    starts = np.cumsum(counts) - counts
+    return np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(starts, counts)
+
+
+def _cut(index: SeqIndex, groups, seq_group_all: np.ndarray, ring, slots, mat, ids: np.ndarray):
+    """Chunk rows of the sequences ``ids`` (ascending), in id order (see :func:`chunk_table`),
+    and how many rows each has."""
+    n = ids.size
+    lengths = index.lengths[ids]
+    seq_group = seq_group_all[ids]
     sizes = group_arrays(groups)[0]
     rings = np.ones(len(groups), dtype=np.int64) if ring is None else np.asarray(ring, dtype=np.int64)
     units_g = np.where(rings > 1, 2 * rings, sizes)
     units, split, k = units_g[seq_group], (slots // units_g)[seq_group], slots[seq_group]
     base, rem = lengths // units, lengths % units
     # Rotation offset: leftovers of earlier sequences in the same group, in global id order.
-    order = np.argsort(seq_group, kind="stable")
+    order = stable_order(seq_group, len(groups))
     rem_sorted = rem[order]
     csum = np.cumsum(rem_sorted) - rem_sorted
     group_sorted = seq_group[order]
@@ -78,5 +114,6 @@ def chunk_table(index: SeqIndex, groups, seq_group: np.ndarray, ring=None) -> np
     start = csum_len - length - seq_first
     dst = mat[seq_group[seq_of_row], pos]
     keep = length > 0
-    table = np.stack([index.src_rank[seq_of_row], index.seq_index[seq_of_row], start, length, dst], axis=1)[keep]
-    return np.ascontiguousarray(table, dtype=np.int64)
+    gid = ids[seq_of_row]
+    table = np.stack([index.src_rank[gid], index.seq_index[gid], start, length, dst], axis=1)[keep]
+    return np.ascontiguousarray(table, dtype=np.int64), np.bincount(seq_of_row[keep], minlength=n)

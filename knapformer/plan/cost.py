@@ -43,6 +43,7 @@ __all__ = [
     "kv_values",
     "ring_exposed",
     "ring_seconds",
+    "route_home_estimate",
     "route_seconds",
     "ulysses_seconds",
 ]
@@ -213,19 +214,21 @@ def comm_features(
     copy = held_multi * ((h + 2 * h_kv) * d + h * d) + attn_multi
     ring_seq = r_seq > 1
     sent = np.where(ring_seq, (r_seq - 1) * L * kv_values(k, model), 0.0)  # r − 1 blocks of L/r tokens
+    mc = np.flatnonzero(cm)  # the chunks of split sequences (the others exchange nothing)
+    m_dst, m_gid, m_ln = dst[mc], gid[mc], ln[mc]
+    m_cross, m_k, m_w, m_o = cross[np.asarray(seq_group)[m_gid]], ck[mc], w[m_gid], o[m_gid]
     for cls in (0, 1):
         seq_sel = multi & (cross[seq_group] == bool(cls))
-        ch_sel = cm & (cross[np.asarray(seq_group)[gid]] == bool(cls))
-        held = ln * ch_sel
+        held = m_ln * (m_cross == bool(cls))
         # per member: Σ L over its groups' sequences (a member holding nothing still receives)
         all_L_w = spread_over_groups(groups, seq_group, np.where(seq_sel, L * w, 0.0), S)
         all_L_o = spread_over_groups(groups, seq_group, np.where(seq_sel, L * o, 0.0), S)
-        own_w = sum_by(dst, held * w[gid], S)
-        own_o = sum_by(dst, held * o[gid], S)
-        out["pre_send"][cls] = sum_by(dst, held * (ck - 1) * w[gid], S)
+        own_w = sum_by(m_dst, held * m_w, S)
+        own_o = sum_by(m_dst, held * m_o, S)
+        out["pre_send"][cls] = sum_by(m_dst, held * (m_k - 1) * m_w, S)
         out["pre_recv"][cls] = all_L_w - own_w
         out["post_send"][cls] = all_L_o - own_o
-        out["post_recv"][cls] = sum_by(dst, held * (ck - 1) * o[gid], S)
+        out["post_recv"][cls] = sum_by(m_dst, held * (m_k - 1) * m_o, S)
         ring_sel = ring_seq & (ring_cross[seq_group] == bool(cls))
         out["ring_kv"][cls] = spread_over_groups(groups, seq_group, np.where(ring_sel, sent, 0.0), S)
     full = index.lengths.astype(np.float64)
@@ -235,12 +238,19 @@ def comm_features(
     return CommFeatures(
         joins=bool(multi.any()),
         routes=routes,
-        ring_rounds=int(rings[np.unique(seq_group)].max()) if seq_group.size else 1,
+        ring_rounds=int(rings[_used(seq_group, len(groups))].max()) if seq_group.size else 1,
         ring_attn=ring_attn,
         ulysses_copy=copy,
         route_copy=route_copy,
         **out,
     )
+
+
+def _used(seq_group: np.ndarray, num_groups: int) -> np.ndarray:
+    """(G,) whether some sequence runs on each group (a mask: no sort)."""
+    used = np.zeros(num_groups, dtype=bool)
+    used[seq_group] = True
+    return used
 
 
 def a2a_seconds(sent: np.ndarray, recv: np.ndarray, bw: float, latency: float) -> np.ndarray:
@@ -325,63 +335,91 @@ def route_seconds(f: CommFeatures, link: LinkModel) -> np.ndarray:
     return 4 * t
 
 
-def _ring_member(L, k: int, ring: int, model: WorkloadModel, link: LinkModel, cross: bool, latency: bool):
-    """Cost units one member of a k-group run as ``ring`` sub-groups pays for its ring exchanges
-    of a sequence of length L (see :func:`ring_exposed`)."""
+def route_home_estimate(L, k, model: WorkloadModel, link: LinkModel):
+    """Cost units the source rank of a sequence of length L split over a k-group pays to send
+    the (k − 1)/k of it that leaves (route and reverse, forward and backward), per layer as
+    :func:`~knapformer.plan.plan.rank_times` adds it; across nodes when the group spans more
+    than a node. A video of 250k tokens sends ~1.5 GB: its source rank should take less other
+    work (the moldable planner adds this to it before placing)."""
     L = np.asarray(L, dtype=np.float64)
+    k = np.asarray(k, dtype=np.float64)
+    cross = k > link.gpus_per_node
+    bw = np.where(cross, link.inter_bw, link.intra_bw)
+    lat = np.where(cross, link.inter_latency, link.intra_latency)
+    sent = L * (k - 1) / k * model.d_model * link.bytes_per_value
+    seconds = 4 * (lat + sent / bw)
+    if link.copy_bw is not None:
+        seconds = seconds + 4 * L * model.d_model * link.bytes_per_value / link.copy_bw
+    return np.where(k > 1, seconds / model.num_layers * link.units_per_second, 0.0)
+
+
+def _ring_member(L, k, ring, model: WorkloadModel, link: LinkModel, cross, latency: bool, speed: float = 1.0):
+    """Cost units one member of a k-group run as ``ring`` sub-groups pays for its ring exchanges
+    of a sequence of length L (see :func:`ring_exposed`), its attention at ``speed``; arrays
+    broadcast."""
+    L = np.asarray(L, dtype=np.float64)
+    k = np.asarray(k, dtype=np.float64)
+    ring = np.asarray(ring, dtype=np.float64)
     u = k // ring
     sent = (ring - 1) * (L / ring) * kv_values(u, model)
-    attn_s = model.quad_coef * L * L / k / link.units_per_second
-    zero = np.zeros_like(sent)
-    intra, inter = (zero, sent) if cross else (sent, zero)
+    attn_s = model.quad_coef * L * L / k / speed / link.units_per_second
+    intra, inter = np.where(cross, 0.0, sent), np.where(cross, sent, 0.0)
     return ring_exposed(intra, inter, ring, attn_s, link, latency=latency) * link.units_per_second
 
 
+def _ulysses_member(L, u, model: WorkloadModel, link: LinkModel, cross, *, lower: bool):
+    """Cost units one member of a u-way Ulysses (sub-)group pays for a block of L tokens: the
+    least it must receive and send (``lower``: L − ⌈L/u⌉ tokens' heads, latency left out), or
+    what it typically moves (L·(u − 1)/u, plus the local copies); arrays broadcast."""
+    L = np.asarray(L, dtype=np.float64)
+    u = np.maximum(np.asarray(u, dtype=np.float64), 1.0)
+    w, o = widths(u, model)
+    bw = np.where(cross, link.inter_bw, link.intra_bw)
+    if lower:
+        # (a ring's block L/r may be under a token: never a negative volume)
+        seconds = np.maximum(L - np.ceil(L / u), 0.0) * (w + o) * link.bytes_per_value / bw
+    else:
+        seconds = L * (u - 1) / u * (w + o) * link.bytes_per_value / bw
+        if link.copy_bw is not None:
+            h, h_kv, d = heads_of(model)
+            copied = L / u * ((h + 2 * h_kv) * d + h * d + u * (w + o))  # pack + gather, pre and post
+            seconds = seconds + copied * link.bytes_per_value / link.copy_bw
+    return np.where(u > 1, seconds * link.exchange_passes * link.units_per_second, 0.0)
+
+
+def _member_comm(L, k, model: WorkloadModel, link: LinkModel, cross, ring, *, lower: bool, speed: float = 1.0):
+    L = np.asarray(L, dtype=np.float64)
+    k = np.asarray(k, dtype=np.int64)
+    ring = np.asarray(ring, dtype=np.int64)
+    u = k // ring
+    gpn = link.gpus_per_node
+    ringed = ring > 1
+    sub = _ulysses_member(L / ring, u, model, link, np.where(ringed, u > gpn, cross), lower=lower)
+    ring_cross = k > gpn if lower else cross
+    around = _ring_member(L, k, np.maximum(ring, 1), model, link, ring_cross, latency=not lower, speed=speed)
+    out = np.where(k > 1, sub + np.where(ringed, around, 0.0), 0.0)
+    return out
+
+
 def member_comm_lower(
-    L: np.ndarray, k: int, model: WorkloadModel, link: LinkModel, *, cross: bool = False, ring: int = 1
+    L: np.ndarray, k, model: WorkloadModel, link: LinkModel, *, cross=False, ring=1, speed: float = 1.0
 ):
     """A lower bound on what the busiest member of a k-group pays for one sequence of length L,
     in cost units: it receives at least (L − ⌈L/k⌉) tokens' heads before and sends as many
     outputs after attention (latency left out: it is shared by all sequences of a rank). Run as
-    ``ring`` sub-groups of u = k/r: that over its block of L/r tokens inside the sub-group (a
-    node when u fits one), plus its ring exchanges (across nodes when k exceeds a node) beyond
-    the attention they overlap with."""
-    if k <= 1:
-        return np.zeros(np.shape(L))
-    L = np.asarray(L, dtype=np.float64)
-    if ring > 1:
-        u = k // ring
-        sub = member_comm_lower(L / ring, u, model, link, cross=u > link.gpus_per_node)
-        return sub + _ring_member(L, k, ring, model, link, k > link.gpus_per_node, latency=False)
-    w, o = widths(np.asarray([k]), model)
-    bw = link.inter_bw if cross else link.intra_bw
-    other = L - np.ceil(L / k)
-    seconds = other * (w[0] + o[0]) * link.bytes_per_value / bw * link.exchange_passes
-    return seconds * link.units_per_second
+    ``ring`` sub-groups of u = k/r: that over its block of L/r tokens inside the sub-group
+    (across nodes when u exceeds a node), plus its ring exchanges (across nodes when k exceeds
+    a node) beyond the attention they overlap with, at ``speed`` (the slowest rank's: slower
+    attention hides more). ``k``, ``ring`` (and ``cross``) may be arrays that broadcast
+    against L: many group sizes priced in one call."""
+    return _member_comm(L, k, model, link, cross, ring, lower=True, speed=speed)
 
 
-def member_comm_estimate(
-    L: np.ndarray, k: int, model: WorkloadModel, link: LinkModel, *, cross: bool = False, ring: int = 1
-):
+def member_comm_estimate(L: np.ndarray, k, model: WorkloadModel, link: LinkModel, *, cross=False, ring=1):
     """What one member of a k-group typically pays for a sequence of length L, in cost units:
     it holds L/k tokens, so it sends and receives L·(k−1)/k tokens' heads per exchange (plus
     the local copies). Run as ``ring`` sub-groups: that inside its sub-group over a block of
     L/r tokens, plus its exposed ring exchanges (``cross``: the ring crosses nodes). The
     planner's per-sequence estimate; plans are then priced exactly by :func:`ulysses_seconds`
-    and :func:`ring_seconds`."""
-    if k <= 1:
-        return np.zeros(np.shape(L))
-    L = np.asarray(L, dtype=np.float64)
-    if ring > 1:
-        u = k // ring
-        sub = member_comm_estimate(L / ring, u, model, link, cross=u > link.gpus_per_node)
-        return sub + _ring_member(L, k, ring, model, link, cross, latency=True)
-    w, o = widths(np.asarray([k]), model)
-    bw = link.inter_bw if cross else link.intra_bw
-    moved = L * (k - 1) / k * (w[0] + o[0]) * link.bytes_per_value
-    seconds = moved / bw
-    if link.copy_bw is not None:
-        h, h_kv, d = heads_of(model)
-        copied = L / k * ((h + 2 * h_kv) * d + h * d + k * (w[0] + o[0]))  # pack + gather, pre and post
-        seconds = seconds + copied * link.bytes_per_value / link.copy_bw
-    return seconds * link.exchange_passes * link.units_per_second
+    and :func:`ring_seconds`. Arrays broadcast as in :func:`member_comm_lower`."""
+    return _member_comm(L, k, model, link, cross, ring, lower=False)

@@ -4,7 +4,7 @@ Local search gets stuck when a few large sequences dominate (2–3 per rank): th
 then needs coordinated changes no single move or swap makes. For up to ``MAX_ITEMS``
 sequences we search assignments exactly: sequences by decreasing work, each tried in every
 bag that keeps the bag's time below the incumbent; interchangeable bags (same class, same
-load) are tried once; a branch is cut when even perfectly even spreading of the rest cannot
+load) are tried once, and identical sequences (same work and tokens) in one order only; a branch is cut when even perfectly even spreading of the rest cannot
 beat the incumbent. A node budget (not a clock) bounds the search so all ranks agree.
 """
 
@@ -39,6 +39,10 @@ def branch_and_bound(problem: PlanProblem, incumbent: np.ndarray, *, max_nodes: 
     cap = problem.max_tokens_per_rank
     cls = problem.bag_class[0].tolist()  # interchangeable bags (same size and capacity)
     total_kap = sum(kap)
+    # an item identical to the one before it (same work and tokens) goes to a bag at or after
+    # that one's: permuting identical items among bags changes nothing, so one order suffices
+    # (with interchangeable bags tried once, lowest id first, the two reductions agree)
+    same = [False] + [w[i] == w[i - 1] and L[i] == L[i - 1] for i in range(1, n)]
     suffix = np.concatenate([np.cumsum(np.asarray(w)[::-1])[::-1], [0.0]]).tolist()
     inc_load = sum_by(incumbent, problem.work, B)
     best = [float((inc_load / problem.bag_capacity).max())]
@@ -65,7 +69,10 @@ def branch_and_bound(problem: PlanProblem, incumbent: np.ndarray, *, max_nodes: 
             return False
         tried: set = set()
         cand = sorted(range(B), key=lambda b: ((load[b] + w[i]) / kap[b], b))
+        floor_bag = assign[i - 1] if same[i] else -1
         for b in cand:
+            if b < floor_bag:  # identical items go to bags in non-decreasing order
+                continue
             key = (cls[b], load[b], tok[b])
             if key in tried:
                 continue

@@ -39,7 +39,12 @@ from knapformer.plan.solvers.refine import local_search, relabel_for_locality, s
 
 __all__ = ["home_assignment", "lpt_assignment", "lpt_fill", "solve_lpt"]
 
-HEAP_ITEMS = 8192  # beyond this many sequences, water-fill the middle ones
+HEAP_ITEMS = 8192  # beyond this many sequences: no paper start, no home start
+EXACT_ITEMS = 16_384
+"""Up to this many sequences every one goes through the exact earliest-finish insertion (~3 µs
+each); beyond, the middle ones are water-filled in rounds. The rounds left the paper's joint
+mix on 4,096 ranks (11k sequences, 2–3 per rank) 1.18× the bound before local search and
+1.07× after 2,000 iterations, where exact insertion gives 1.066× in half the time."""
 _SLOT_PASSES = 4  # slots per bag rank in one round of the batched LPT
 
 
@@ -106,7 +111,11 @@ def _rounds(problem: PlanProblem, items: np.ndarray, seq_bag: np.ndarray, load: 
         chunk = items[start : start + S]
         w = w_all[chunk]
         finish = (load[slots_bag] + (slots_j + 0.5) * w.mean()) / kap[slots_bag]
-        best = np.argsort(finish, kind="stable")[: chunk.size]
+        if chunk.size < finish.size:  # the chunk.size earliest slots, in order (ties among them: slot id)
+            near = np.argpartition(finish, chunk.size - 1)[: chunk.size]
+            best = near[np.lexsort((near, finish[near]))]
+        else:
+            best = np.argsort(finish, kind="stable")[: chunk.size]
         target = slots_bag[best]
         seq_bag[chunk] = target
         load += sum_by(target, w, len(kap))
@@ -117,10 +126,10 @@ def lpt_fill(problem: PlanProblem, order: np.ndarray, seq_bag: np.ndarray, load:
     current ``load``/``tok``, in place. For many items the big head and the small tail go
     through the exact insertion and only the middle is water-filled."""
     B = len(problem.bags)
-    if order.size <= HEAP_ITEMS or problem.max_tokens_per_rank is not None:
+    if order.size <= EXACT_ITEMS or problem.max_tokens_per_rank is not None:
         _insert(problem, order.tolist(), seq_bag, load, tok)
         return
-    h = t = min(2 * B, HEAP_ITEMS // 2)
+    h = t = min(2 * B, EXACT_ITEMS // 4)
     head, middle, tail = order[:h], order[h:-t], order[-t:]
     _insert(problem, head.tolist(), seq_bag, load, tok)
     _rounds(problem, middle, seq_bag, load)
@@ -132,7 +141,7 @@ def lpt_assignment(problem: PlanProblem) -> np.ndarray:
     """(n,) bags by earliest-finish LPT (:func:`lpt_fill` from empty bags)."""
     n, B = problem.num_seqs, len(problem.bags)
     seq_bag = np.zeros(n, dtype=np.int64)
-    order = np.argsort(-problem.work, kind="stable")
+    order = problem.by_work
     lpt_fill(problem, order, seq_bag, np.zeros(B), np.zeros(B, dtype=np.int64))
     return seq_bag
 

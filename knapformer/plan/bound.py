@@ -1,0 +1,120 @@
+"""The moldable lower bound: a makespan no plan with groups of given sizes can beat.
+
+Kept apart from :mod:`~knapformer.plan.problem` (which owns the input and calls this for
+``PlanProblem.lower_bound``): the bound is the one piece of the planner whose correctness is
+a proof obligation — every solver's plan must stay at or above it — so it lives in one small
+module with its argument in its docstrings. It reads the problem through the attributes it
+names (:class:`BoundInput`) and imports nothing of the planner but the exchange pricing.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from knapformer.plan.cost import LinkModel, member_comm_lower
+from knapformer.workload import WorkloadModel
+
+__all__ = ["BoundInput", "moldable_lower_bound"]
+
+
+class BoundInput(Protocol):
+    """What the bound reads of a :class:`~knapformer.plan.problem.PlanProblem`."""
+
+    @property
+    def num_seqs(self) -> int: ...
+    @property
+    def lengths(self) -> np.ndarray: ...
+    @property
+    def work(self) -> np.ndarray: ...
+    @property
+    def speed(self) -> np.ndarray: ...
+
+    model: WorkloadModel
+    link: LinkModel | None
+
+    def ring_of(self, k: int) -> int: ...
+
+
+def moldable_lower_bound(problem: BoundInput, degrees) -> float:
+    """A makespan no plan with groups of the given sizes can beat (1 must be among them).
+
+    Per sequence and size k, its busiest member's cost and its members' total work, both
+    with the least communication a k-group must pay (:func:`~knapformer.plan.cost.member_comm_lower`).
+    A makespan T is reachable only if every sequence has a size whose busiest member fits in
+    T and the least total work over such sizes, summed, fits in what the ranks do in T (the
+    allotment bound of moldable scheduling); the bound is the least such T (bisection, rounded
+    down). Only T at or above the fluid level (total work over all speed) are in question, so:
+
+    - a sequence that fits whole under it is done cheapest by one rank: priced at no size;
+    - one that fits at a size up to a node under it is priced exactly at those sizes; beyond a
+      node (hundreds of sizes on thousands of ranks) it counts the least total of any of them,
+      fitting or not (a smaller total only lowers the bound), so no bisection step visits them;
+    - the others are priced exactly at every size.
+
+    The bound then costs O(n) for long-tailed inputs with thousands of ranks."""
+    if problem.num_seqs == 0:
+        return 0.0
+    L = problem.lengths
+    link = problem.link
+    fastest = float(problem.speed.max())
+    capacity = float(problem.speed.sum())
+    work = problem.work
+    fluid = float(work.sum() / capacity)
+    long = np.flatnonzero(work / fastest > fluid)
+    if long.size == 0:
+        return fluid
+    sizes = sorted(set(int(k) for k in degrees) | {1})
+    node = link.gpus_per_node if link is not None else max(sizes)
+    narrow = [k for k in sizes if k <= node]
+    per_n, total_n = _size_costs(problem, narrow, L[long], fastest)
+    wide_sel = (per_n.min(axis=0) > fluid) & (len(narrow) < len(sizes))
+    wide_cols = np.flatnonzero(wide_sel)
+    per_w, total_w = _size_costs(problem, [k for k in sizes if k > node], L[long[wide_cols]], fastest)
+    beyond = np.full(long.size, np.inf)
+    if len(narrow) < len(sizes) and not wide_sel.all():
+        rest_cols = np.flatnonzero(~wide_sel)
+        beyond[rest_cols] = _size_costs(problem, [k for k in sizes if k > node], L[long[rest_cols]], 1.0)[1].min(axis=0)
+    rest = float(work.sum() - work[long].sum())  # the others at one rank each, their cheapest
+
+    def reachable(t: float) -> bool:
+        least = np.minimum(np.where(per_n <= t, total_n, np.inf).min(axis=0), beyond)
+        if wide_cols.size:
+            least[wide_cols] = np.minimum(least[wide_cols], np.where(per_w <= t, total_w, np.inf).min(axis=0))
+        return rest + float(least.sum()) <= capacity * t
+
+    best = per_n.min(axis=0)
+    if wide_cols.size:
+        best[wide_cols] = np.minimum(best[wide_cols], per_w.min(axis=0))
+    lo = max(fluid, float(best.max()))
+    if reachable(lo):
+        return lo
+    hi = float(per_n[0].max())  # every long sequence whole: all the work, at most capacity × hi
+    for _ in range(40):  # lo is never reachable, hi always
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if not reachable(mid) else (lo, mid)
+    return lo
+
+
+def _size_costs(problem: BoundInput, sizes, L: np.ndarray, fastest: float) -> tuple[np.ndarray, np.ndarray]:
+    """(busiest member's time, members' total work), each (len(sizes), len(L)), with the least
+    communication of each size; every size in one broadcast.
+
+    A member's time is its compute over its speed plus its exchanges (which no speed shortens,
+    and whose ring part the slowest rank's attention hides most of), so: time ≥ chunk / fastest
+    + comm; and Σ speed·time ≥ all compute + slowest speed × all comm — the total counts
+    communication at the slowest speed (ranks slower than 1 otherwise made it no bound)."""
+    model, link = problem.model, problem.link
+    shape = (len(sizes), L.size)
+    if not sizes:
+        return np.zeros(shape), np.zeros(shape)
+    k = np.asarray(sizes, dtype=np.int64)[:, None]
+    slowest = float(problem.speed.min())
+    comm = 0.0
+    if link is not None:
+        ring = np.asarray([problem.ring_of(int(v)) for v in sizes], dtype=np.int64)[:, None]
+        comm = member_comm_lower(L[None, :], k, model, link, ring=ring, speed=slowest)
+    per = np.broadcast_to(model.chunk_cost(-(-L // k), L, k) / fastest + comm, shape)
+    total = np.broadcast_to(model.cost(L) + (k - 1) * model.per_seq_coef + k * comm * slowest, shape)
+    return per, total
