@@ -48,7 +48,7 @@ def _lens(draw, S: int) -> list[list[int]]:
 
 @st.composite
 def cluster_steps(draw):
-    S = draw(st.sampled_from([16, 24, 40, 56, 72]))
+    S = draw(st.sampled_from([16, 20, 24, 28, 40, 56, 72]))  # 20, 28: the last node is partial
     speed = None
     if draw(st.booleans()):
         speed = draw(st.lists(st.sampled_from([0.5, 0.8, 1.0, 1.25]), min_size=S, max_size=S))
@@ -58,6 +58,7 @@ def cluster_steps(draw):
 @settings(max_examples=25, deadline=None)
 @given(step=cluster_steps())
 @example(step=([[256] * 3 for _ in range(23)] + [[250_000]], None))
+@example(step=([[100] * 3 for _ in range(20)] + [[200_000]], None))  # 21 ranks: a partial node
 def test_auto_beyond_a_node_keeps_its_invariants(step):
     lens, speed = step
     plan = plan_sequences(lens, "auto", MODEL, link=LINK, rank_speed=speed)

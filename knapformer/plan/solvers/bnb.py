@@ -4,8 +4,9 @@ Local search gets stuck when a few large sequences dominate (2–3 per rank): th
 then needs coordinated changes no single move or swap makes. For up to ``MAX_ITEMS``
 sequences we search assignments exactly: sequences by decreasing work, each tried in every
 bag that keeps the bag's time below the incumbent; interchangeable bags (same class, same
-load) are tried once, and identical sequences (same work and tokens) in one order only; a branch is cut when even perfectly even spreading of the rest cannot
-beat the incumbent. A node budget (not a clock) bounds the search so all ranks agree.
+load) are tried once, and identical sequences (same work and tokens) in one order only; a
+branch is cut when even perfectly even spreading of the rest cannot beat the incumbent. A
+node budget (not a clock) bounds the search so all ranks agree.
 """
 
 from __future__ import annotations

@@ -115,7 +115,9 @@ def _candidate(problem: PlanProblem, costs: MemberCosts, pick: np.ndarray) -> Pl
     home = problem.src_rank
     used = sorted(set(degree[multi].tolist()))
     node = problem.link.gpus_per_node if problem.link is not None else None
-    fast = _FAST_BLOCKS and (speed == speed[0]).all() and all(S % k == 0 or node for k in used)
+    # block maxima need every size to divide the group, or whole nodes of a group of whole nodes
+    whole_nodes = node is not None and S % node == 0
+    fast = _FAST_BLOCKS and (speed == speed[0]).all() and all(S % k == 0 or whole_nodes for k in used)
     place = _Blocks(S, [1, *used], cap, node) if fast else None
     blocks = {k: block_members(S, k, node) for k in used} if place is None else None
     if problem.link is not None:  # the source of a split sequence sends what leaves it
