@@ -274,3 +274,29 @@ def test_block_maxima_follow_every_members_load(ops, cap):
         blocks.add(k, b, float(c), need)
         load[first : first + k] += c
         tok[first : first + k] += need
+
+
+def test_the_same_plan_in_another_process():
+    """Every rank plans on its own: a step with videos on groups of whole nodes (128 ranks,
+    ``h100`` links) gives the same plan in a fresh interpreter with another hash seed."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng([2, 128])
+    lens = images(rng, 128)
+    for r in (3, 77):
+        lens[r].append(int(rng.integers(128_000, 256_001)))
+    mine = plan_sequences(lens, "auto", FLUX, link=h100()).digest()
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (
+        f"import json, sys; sys.path.insert(0, {here!r}); from test_planner_scale import FLUX, h100;"
+        "from knapformer.plan import plan_sequences;"
+        "print(plan_sequences(json.loads(sys.stdin.read()), 'auto', FLUX, link=h100()).digest())"
+    )
+    env = {**os.environ, "PYTHONHASHSEED": "777"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], input=json.dumps(lens), capture_output=True, text=True, env=env, check=True
+    )
+    assert out.stdout.strip() == mine

@@ -283,7 +283,7 @@ def solve_moldable(problem: PlanProblem, *, time_budget_s: float | None = None) 
             if (p := hybrid_cp_plan(problem, c)) is not None:
                 object.__setattr__(p, "solver", "moldable")
                 candidates.append(p)
-        reached = min((p.makespan for p in candidates), default=np.inf)
+    reached = min((p.makespan for p in candidates), default=np.inf)
     # every sequence whole at home (nothing moves, nothing priced but compute: its makespan is
     # the unbalanced time): auto is never predicted slower than that; built only when it can win
     if float(problem.time_before.max()) <= reached * (1 + 2 * problem.options.tie_tolerance):
