@@ -101,10 +101,19 @@ def _size_costs(problem: BoundInput, sizes, L: np.ndarray, fastest: float) -> tu
     """(busiest member's time, members' total work), each (len(sizes), len(L)), with the least
     communication of each size; every size in one broadcast.
 
-    A member's time is its compute over its speed plus its exchanges (which no speed shortens,
-    and whose ring part the slowest rank's attention hides most of), so: time ≥ chunk / fastest
-    + comm; and Σ speed·time ≥ all compute + slowest speed × all comm — the total counts
-    communication at the slowest speed (ranks slower than 1 otherwise made it no bound)."""
+    A member's time is its compute over its speed plus its exchanges (which no speed
+    shortens), so: time ≥ chunk / fastest + comm; and Σ speed·time ≥ all compute + slowest
+    speed × all comm — the total counts communication at the slowest speed (ranks slower than
+    1 otherwise made it no bound).
+
+    Caveat, rings: the ring exchanges are priced per sequence, as the planner prices them
+    (:func:`~knapformer.plan.cost.member_comm_lower`: what its own attention does not hide at
+    its own ring size). A rank holding several ring sequences, or a plan whose largest ring is
+    longer (more of each round hidden), can expose less than that sum, so on such steps the
+    figure is the cost model's ring-priced bound rather than a proof; fuzzing
+    (``tests/test_planner_scale.py``) found no plan below it. Leaving the ring part out (a
+    proof) was tried: the planner aims at multiples of the bound, so its picks moved too
+    (giant mix, 256 ranks: 1.076 → 1.104 of that weaker bound on two of three steps)."""
     model, link = problem.model, problem.link
     shape = (len(sizes), L.size)
     if not sizes:
@@ -114,7 +123,7 @@ def _size_costs(problem: BoundInput, sizes, L: np.ndarray, fastest: float) -> tu
     comm = 0.0
     if link is not None:
         ring = np.asarray([problem.ring_of(int(v)) for v in sizes], dtype=np.int64)[:, None]
-        comm = member_comm_lower(L[None, :], k, model, link, ring=ring, speed=slowest)
+        comm = member_comm_lower(L[None, :], k, model, link, ring=ring)
     per = np.broadcast_to(model.chunk_cost(-(-L // k), L, k) / fastest + comm, shape)
     total = np.broadcast_to(model.cost(L) + (k - 1) * model.per_seq_coef + k * comm * slowest, shape)
     return per, total

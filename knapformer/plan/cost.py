@@ -347,22 +347,21 @@ def route_home_estimate(L, k, model: WorkloadModel, link: LinkModel):
     bw = np.where(cross, link.inter_bw, link.intra_bw)
     lat = np.where(cross, link.inter_latency, link.intra_latency)
     sent = L * (k - 1) / k * model.d_model * link.bytes_per_value
-    seconds = 4 * (lat + sent / bw)
-    if link.copy_bw is not None:
-        seconds = seconds + 4 * L * model.d_model * link.bytes_per_value / link.copy_bw
-    return np.where(k > 1, seconds / model.num_layers * link.units_per_second, 0.0)
+    one = lat + sent / bw
+    if link.copy_bw is not None:  # 4 local passes per exchange, as route_seconds prices them
+        one = one + 4 * L / k * model.d_model * link.bytes_per_value / link.copy_bw
+    return np.where(k > 1, 4 * one / model.num_layers * link.units_per_second, 0.0)
 
 
-def _ring_member(L, k, ring, model: WorkloadModel, link: LinkModel, cross, latency: bool, speed: float = 1.0):
+def _ring_member(L, k, ring, model: WorkloadModel, link: LinkModel, cross, latency: bool):
     """Cost units one member of a k-group run as ``ring`` sub-groups pays for its ring exchanges
-    of a sequence of length L (see :func:`ring_exposed`), its attention at ``speed``; arrays
-    broadcast."""
+    of a sequence of length L (see :func:`ring_exposed`); arrays broadcast."""
     L = np.asarray(L, dtype=np.float64)
     k = np.asarray(k, dtype=np.float64)
     ring = np.asarray(ring, dtype=np.float64)
     u = k // ring
     sent = (ring - 1) * (L / ring) * kv_values(u, model)
-    attn_s = model.quad_coef * L * L / k / speed / link.units_per_second
+    attn_s = model.quad_coef * L * L / k / link.units_per_second
     intra, inter = np.where(cross, 0.0, sent), np.where(cross, sent, 0.0)
     return ring_exposed(intra, inter, ring, attn_s, link, latency=latency) * link.units_per_second
 
@@ -387,7 +386,7 @@ def _ulysses_member(L, u, model: WorkloadModel, link: LinkModel, cross, *, lower
     return np.where(u > 1, seconds * link.exchange_passes * link.units_per_second, 0.0)
 
 
-def _member_comm(L, k, model: WorkloadModel, link: LinkModel, cross, ring, *, lower: bool, speed: float = 1.0):
+def _member_comm(L, k, model: WorkloadModel, link: LinkModel, cross, ring, *, lower: bool):
     L = np.asarray(L, dtype=np.float64)
     k = np.asarray(k, dtype=np.int64)
     ring = np.asarray(ring, dtype=np.int64)
@@ -396,23 +395,23 @@ def _member_comm(L, k, model: WorkloadModel, link: LinkModel, cross, ring, *, lo
     ringed = ring > 1
     sub = _ulysses_member(L / ring, u, model, link, np.where(ringed, u > gpn, cross), lower=lower)
     ring_cross = k > gpn if lower else cross
-    around = _ring_member(L, k, np.maximum(ring, 1), model, link, ring_cross, latency=not lower, speed=speed)
+    around = _ring_member(L, k, np.maximum(ring, 1), model, link, ring_cross, latency=not lower)
     out = np.where(k > 1, sub + np.where(ringed, around, 0.0), 0.0)
     return out
 
 
-def member_comm_lower(
-    L: np.ndarray, k, model: WorkloadModel, link: LinkModel, *, cross=False, ring=1, speed: float = 1.0
-):
+def member_comm_lower(L: np.ndarray, k, model: WorkloadModel, link: LinkModel, *, cross=False, ring=1):
     """A lower bound on what the busiest member of a k-group pays for one sequence of length L,
     in cost units: it receives at least (L − ⌈L/k⌉) tokens' heads before and sends as many
     outputs after attention (latency left out: it is shared by all sequences of a rank). Run as
     ``ring`` sub-groups of u = k/r: that over its block of L/r tokens inside the sub-group
     (across nodes when u exceeds a node), plus its ring exchanges (across nodes when k exceeds
-    a node) beyond the attention they overlap with, at ``speed`` (the slowest rank's: slower
-    attention hides more). ``k``, ``ring`` (and ``cross``) may be arrays that broadcast
-    against L: many group sizes priced in one call."""
-    return _member_comm(L, k, model, link, cross, ring, lower=True, speed=speed)
+    a node) beyond the attention they overlap with (per sequence: what a rank's attention
+    hides depends on all its ring sequences and the plan's largest ring, see
+    :mod:`knapformer.plan.bound`).
+    ``k``, ``ring`` (and ``cross``) may be arrays that broadcast against L: many group sizes
+    priced in one call."""
+    return _member_comm(L, k, model, link, cross, ring, lower=True)
 
 
 def member_comm_estimate(L: np.ndarray, k, model: WorkloadModel, link: LinkModel, *, cross=False, ring=1):

@@ -34,9 +34,11 @@ def block_members(S: int, k: int, node: int | None) -> np.ndarray:
 class Blocks:
     """For each aligned size k (dividing S), the largest load and token count among the members
     of every aligned block of k ranks; sizes that do not divide S are windows of whole nodes
-    (``node`` ranks each, which must divide S and every such size). Loads only grow, so an
-    aligned block of size j containing the block that took a sequence only needs a max, and
-    the blocks inside it grew uniformly."""
+    (``node`` ranks each, which must divide S and every such size). Loads only grow, so after
+    a placement on ranks lo … hi − 1 a block inside that range grew by exactly the placement, a
+    block containing it takes the max with the range's new loads, and only a block that
+    overlaps it partly is recomputed from the per-rank loads (sizes need not nest: 16 and 24
+    on 48 ranks)."""
 
     def __init__(self, S: int, degrees, cap: int | None, node: int | None = None) -> None:
         self.S, self.cap = S, cap
@@ -44,13 +46,11 @@ class Blocks:
         self.windowed = [k for k in sizes if S % k]
         if self.windowed and (node is None or S % node or any(k % node for k in self.windowed)):
             raise ValueError(f"sizes {self.windowed} do not divide {S} ranks and are not whole nodes of {node}")
-        if self.windowed and any(node % k for k in sizes if k < node):
-            raise ValueError(f"sizes below a node must divide its {node} ranks, got {sizes}")
         self.node = node
-        ks = sorted(set(k for k in sizes if S % k == 0) | ({node} if self.windowed else set()))
-        self.load = {k: np.zeros(S // k) for k in ks}  # ascending: :meth:`add` relies on it
+        ks = sorted({1} | {k for k in sizes if S % k == 0} | ({node} if self.windowed else set()))
+        self.load = {k: np.zeros(S // k) for k in ks}  # level 1: every rank's own load
         self.tok = {k: np.zeros(S // k, dtype=np.int64) for k in ks}
-        self._above = {k: [j for j in ks if j > k] for k in ks}
+        self._above = [j for j in ks if j > 1]
 
     def _window_max(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         """(load, tok) maxima of every window of k ranks (k/node consecutive nodes)."""
@@ -89,44 +89,33 @@ class Blocks:
 
     def add(self, k: int, b: int, c: float, need: int) -> None:
         """Block b of size k took a sequence: each member's load grows by c, tokens by need."""
-        if k not in self.load:
-            self._add_window(b * self.node, k, c, need)
-            return
-        if k == 1:  # one rank (most sequences): plain scalar updates
-            self.load[1][b] += c
-            self.tok[1][b] += need
-            load, tok = self.load[1][b], self.tok[1][b]
-            for j in self._above[1]:
-                i = b // j
+        lo = self.first_rank(k, b)
+        hi = lo + k
+        rank_load, rank_tok = self.load[1], self.tok[1]
+        rank_load[lo:hi] += c
+        rank_tok[lo:hi] += need
+        if k == 1:  # one rank (most sequences): every block containing it takes a max
+            load, tok = rank_load[lo], rank_tok[lo]
+            for j in self._above:
+                i = lo // j
                 if self.load[j][i] < load:
                     self.load[j][i] = load
                 if self.tok[j][i] < tok:
                     self.tok[j][i] = tok
             return
-        lo, hi = b * k, (b + 1) * k
-        for j, load in self.load.items():
-            tok = self.tok[j]
-            if j <= k:  # blocks inside: every member grew by the same amount
-                load[lo // j : hi // j] += c
-                tok[lo // j : hi // j] += need
-            else:  # the block containing it: its largest member may now be one of these
-                i = lo // j
-                load[i] = max(load[i], self.load[k][b])
-                tok[i] = max(tok[i], self.tok[k][b])
-
-    def _add_window(self, lo: int, k: int, c: float, need: int) -> None:
-        """Ranks lo … lo + k − 1 (whole nodes) took a sequence. Sizes up to a node divide it,
-        so their blocks inside the window grew uniformly; a larger aligned block overlapping
-        the window takes the max of its nodes (exact: the node maxima are kept)."""
-        hi = lo + k
-        for j, load in self.load.items():
-            if j <= self.node:
-                load[lo // j : hi // j] += c
-                self.tok[j][lo // j : hi // j] += need
-        n = self.node
-        nodes_l, nodes_t = self.load[n], self.tok[n]
-        for j in self._above[n]:
-            per = j // n
-            for i in range(lo // j, (hi - 1) // j + 1):
-                self.load[j][i] = nodes_l[i * per : (i + 1) * per].max()
-                self.tok[j][i] = nodes_t[i * per : (i + 1) * per].max()
+        top_l, top_t = rank_load[lo:hi].max(), rank_tok[lo:hi].max()
+        for j in self._above:
+            load, tok = self.load[j], self.tok[j]
+            inside_lo, inside_hi = -(-lo // j), hi // j
+            if inside_lo < inside_hi:  # blocks inside the range: grew uniformly
+                load[inside_lo:inside_hi] += c
+                tok[inside_lo:inside_hi] += need
+            for i in {lo // j, (hi - 1) // j}:
+                if inside_lo <= i < inside_hi:
+                    continue
+                if i * j <= lo and hi <= (i + 1) * j:  # contains the range
+                    load[i] = max(load[i], top_l)
+                    tok[i] = max(tok[i], top_t)
+                else:  # overlaps it partly
+                    load[i] = rank_load[i * j : (i + 1) * j].max()
+                    tok[i] = rank_tok[i * j : (i + 1) * j].max()

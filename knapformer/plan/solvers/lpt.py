@@ -5,7 +5,7 @@ Starts (each polished by :func:`~knapformer.plan.solvers.refine.local_search`):
 - **LPT**: sequences by decreasing work, each to the bag where it would *finish* earliest
   (``(load + work) / capacity``), skipping bags that would break the memory cap — the classic
   rule for machines of different speeds (a k-rank bag is a k× faster machine). Above
-  ``HEAP_ITEMS`` sequences only the largest and the smallest go through the heap loop; the
+  ``EXACT_ITEMS`` sequences only the largest and the smallest go through the heap loop; the
   middle is placed in vectorised rounds of batched LPT (:func:`_rounds`).
 - **home**: each bag keeps its own ranks' sequences (largest first) up to the fluid level; the
   overflow is inserted LPT-style. Few tokens move when the input is nearly balanced.
@@ -111,9 +111,12 @@ def _rounds(problem: PlanProblem, items: np.ndarray, seq_bag: np.ndarray, load: 
         chunk = items[start : start + S]
         w = w_all[chunk]
         finish = (load[slots_bag] + (slots_j + 0.5) * w.mean()) / kap[slots_bag]
-        if chunk.size < finish.size:  # the chunk.size earliest slots, in order (ties among them: slot id)
-            near = np.argpartition(finish, chunk.size - 1)[: chunk.size]
-            best = near[np.lexsort((near, finish[near]))]
+        if chunk.size < finish.size:  # the chunk.size earliest slots by (finish, slot id), in
+            # O(slots): every slot up to the cut-off value, then sorted (a partition's choice
+            # among ties at the cut-off is not the lowest ids, nor the same on every CPU)
+            cut = np.partition(finish, chunk.size - 1)[chunk.size - 1]
+            near = np.flatnonzero(finish <= cut)
+            best = near[np.lexsort((near, finish[near]))][: chunk.size]
         else:
             best = np.argsort(finish, kind="stable")[: chunk.size]
         target = slots_bag[best]

@@ -77,7 +77,7 @@ __all__ = [
 
 ALPHAS = (1.0, 0.125, 0.5, 0.7, 0.25, 1.4, 2.0, 1e-9)
 """Targets tried, as multiples of the lower bound, in this order (1e-9: split as far as the
-per-member cost falls)."""
+per-member cost falls, within a node)."""
 CANDIDATES_PER_SECOND = 40
 """How many α candidates a second of ``time_budget_s`` buys (a 1,024-rank step plans one in
 ~25 ms on the 2-core development machine)."""
@@ -243,8 +243,12 @@ def solve_moldable(problem: PlanProblem, *, time_budget_s: float | None = None) 
     # degrees Ulysses runs alone (no ring): the "split more" α candidates stay within them (a
     # ring's estimate is the least certain), and when α = 1 chose a ring, its Ulysses-only twin
     plain = np.array([problem.ring_of(k) == 1 for k in D])
+    node = problem.link.gpus_per_node if problem.link is not None else problem.num_ranks
+    # targets below 1/8 of the bound keep inside a node: beyond it only sequences above that
+    # are priced (MemberCosts), so wider picks there would differ from a dense pricing
+    in_node = plain & (np.asarray(D) <= node)
     first = costs.picks(lb * ALPHAS[0])
-    runs = [(None, lb * ALPHAS[0])] + [(plain, lb * a) for a in ALPHAS[1:n_alpha]]
+    runs = [(None, lb * ALPHAS[0])] + [(plain if a >= ALPHAS[1] else in_node, lb * a) for a in ALPHAS[1:n_alpha]]
     ringed = not bool(plain[first].all())
     if ringed and n <= 2048:  # a sequence wants a ring: its Ulysses-only twin, and rings as wide as pays
         runs += [(plain, lb * ALPHAS[0]), (None, lb * ALPHAS[1])]
@@ -255,7 +259,6 @@ def solve_moldable(problem: PlanProblem, *, time_budget_s: float | None = None) 
         matched = [s for s in matched_layouts(problem, costs, first, 2 if n <= 2048 else 1) if s not in fixed]
         candidates += _fixed_candidates(problem, matched, quick=True)
     if loose and ringed:  # coarse whole sequences beside ring groups: split them finer inside nodes
-        node = problem.link.gpus_per_node if problem.link is not None else problem.num_ranks
         Darr = np.asarray(D)
         finer = costs.picks(lb * _FINER)
         mixed = np.where((Darr[first] <= node) & (Darr[finer] <= node), finer, first)
