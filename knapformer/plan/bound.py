@@ -38,7 +38,7 @@ class BoundInput(Protocol):
 
 
 def moldable_lower_bound(problem: BoundInput, degrees) -> float:
-    """A makespan no plan with groups of the given sizes can beat (1 must be among them).
+    """A makespan no plan with groups of the given sizes can beat (size 1 is always counted).
 
     Per sequence and size k, its busiest member's cost and its members' total work, both
     with the least communication a k-group must pay (:func:`~knapformer.plan.cost.member_comm_lower`).

@@ -104,7 +104,7 @@ def _cut(index: SeqIndex, groups, seq_group_all: np.ndarray, ring, slots, mat, i
     # One row per (sequence, chunk position); position p is chunk p % split of unit p // split.
     seq_of_row = np.repeat(np.arange(n), k)
     row_start = np.cumsum(k) - k
-    pos = np.arange(seq_of_row.shape[0]) - np.repeat(row_start, k)
+    pos = _ranks_within(k)
     sp, off = split[seq_of_row], offset[seq_of_row]
     unit, t = pos // sp, pos % sp
     unit_len = base[seq_of_row] + (((unit - off) % units[seq_of_row]) < rem[seq_of_row]).astype(np.int64)

@@ -224,12 +224,10 @@ class PlanProblem:
     def by_work(self) -> np.ndarray:
         """(n,) sequence ids by decreasing work, ties by id (the order every LPT pass uses;
         sorted once per problem however many candidates a solver builds)."""
-        m = self.model
-        if m.linear_coef >= 0 and m.quad_coef >= 0 and (m.linear_coef > 0 or m.quad_coef > 0):
-            # work strictly grows with length: longest first by a radix sort (4× faster)
-            L = self.lengths
-            return stable_order(int(L.max()) - L) if L.size else np.zeros(0, dtype=np.int64)
-        return np.argsort(-self.work, kind="stable")
+        # work strictly grows with length (WorkloadModel: coefficients >= 0, not both 0), so
+        # longest first by a radix sort of the lengths (4x faster than sorting the floats)
+        L = self.lengths
+        return stable_order(int(L.max()) - L) if L.size else np.zeros(0, dtype=np.int64)
 
     @property
     def num_seqs(self) -> int:
@@ -348,9 +346,10 @@ class PlanProblem:
 
     @cached_property
     def lower_bound(self) -> float:
-        """A makespan no plan can beat: max of the fluid bound (total work over total speed)
-        and, per sequence, its cheapest placement's busiest chunk (for ``auto``, over every
-        allowed group size, with the least communication each size must pay)."""
+        """A makespan no plan can beat: for bag layouts the max of the fluid bound (total work
+        over total speed) and, per sequence, its cheapest placement's busiest chunk; for
+        ``auto`` the allotment bound over every allowed group size, with the least
+        communication each size pays (:func:`~knapformer.plan.bound.moldable_lower_bound`)."""
         if self.num_seqs == 0:
             return 0.0
         if self.auto:

@@ -32,7 +32,7 @@ def branch_and_bound(problem: PlanProblem, incumbent: np.ndarray, *, max_nodes: 
         return incumbent
     if n > FULL_BUDGET_ITEMS:
         max_nodes = max(1, max_nodes // 10)
-    order = np.argsort(-problem.work, kind="stable")
+    order = problem.by_work
     w = problem.work[order].tolist()
     L = problem.lengths[order].tolist()
     kap = problem.bag_capacity.tolist()

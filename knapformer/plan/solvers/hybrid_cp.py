@@ -3,10 +3,11 @@ it: a sequence of L tokens runs on the smallest group size whose chunks stay und
 per rank (⌈L / cap⌉ rounded up to an allowed size), and sequences, costliest first, go to the
 aligned block of that size whose busiest member is least loaded.
 
-``auto`` tries it at a few caps when some sequence needs a ring (a video beyond a node), so
-that it is never behind the published scheduler on the inputs it was designed for: its
-placement packs whole images around the ring groups differently from the moldable planner's
-LPT and local search. ``benchmarks/giant_mix.py`` sweeps more caps as the baseline.
+``auto`` tries it at a few caps when some sequence needs a ring (a video beyond a node) and the
+step has at most 2,048 sequences: its placement packs whole images around the ring groups
+differently from the moldable planner's LPT and local search. Above that it never won on the
+benchmark mixes and cost most of the planning time (every image through block maxima).
+``benchmarks/giant_mix.py`` sweeps more caps as the baseline.
 """
 
 from __future__ import annotations

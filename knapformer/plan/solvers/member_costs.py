@@ -56,6 +56,7 @@ class MemberCosts:
     def member(self, pick: np.ndarray) -> np.ndarray:
         """(n,) per-member cost of each sequence at its pick."""
         out = self.work.copy()
+        # (a wide pick indexes past ``near``: clamped here, overwritten from ``wide`` below)
         out[self.cols] = self.near[np.minimum(pick[self.cols], self.narrow - 1), np.arange(self.cols.size)]
         out[self.wide_cols] = self.wide[pick[self.wide_cols], np.arange(self.wide_cols.size)]
         return out

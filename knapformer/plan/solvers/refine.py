@@ -305,8 +305,8 @@ def home_among_equals(problem: PlanProblem, seq_bag: np.ndarray, *, movable: np.
     """Sequences of the same length are interchangeable (same work, same tokens): within each
     such class the bags keep their slots, but each bag's slots go first to sequences whose home
     it is. Every bag's load is unchanged; fewer tokens move (a copy is returned). Vectorised
-    over all classes at once, every grouping a radix sort (:func:`stable_order`): 131k
-    sequences on 4,096 ranks are mostly in classes of several."""
+    over all classes at once, every grouping a radix sort (:func:`stable_order`): tens of
+    thousands of long-tailed lengths fall mostly in classes of several."""
     seq_bag = seq_bag.copy()
     ids = np.arange(problem.num_seqs) if movable is None else np.flatnonzero(movable)
     if ids.size < 2:
@@ -373,8 +373,9 @@ def _classes(keys: np.ndarray, *, values: bool = False):
 
 def settle_home(problem: PlanProblem, seq_bag: np.ndarray, **base) -> np.ndarray:
     """:func:`return_home` and :func:`home_among_equals` until neither moves anything (each can
-    open a way for the other; a few rounds at most). ``base``: ``movable``, ``base_load``,
-    ``base_tok`` as in :func:`local_search`."""
+    open a way for the other; a few rounds at most; above :data:`EQUALS_UP_TO` sequences only
+    :func:`return_home`). ``base``: ``movable``, ``base_load``, ``base_tok`` as in
+    :func:`local_search`."""
     movable = base.get("movable")
     if problem.num_seqs > EQUALS_UP_TO:
         return return_home(problem, seq_bag, **base)
