@@ -95,7 +95,8 @@ def _calls(bal, q):
             bal._post(c, [b.q.contiguous() for b in c.batches]).backward(grad)
 
         return (lambda: bal._pre(q, q, q)), (lambda: bal._post(call, outs)), trip
-    q2, k2, v2, cu, mx = bal.pre_attn(q, q, q)
+    args = bal.pre_attn(q, q, q)  # a 5-tuple in older checkouts, VarlenArgs (7 fields) now
+    q2, k2, v2, cu, mx = args[:4] + (args[-1],)
     o2 = varlen_attention(q2, k2, v2, cu, mx)
 
     def trip_old():

@@ -25,10 +25,12 @@ from knapformer.plan.cost import LinkModel
 from knapformer.plan.problem import validate_rank_speed
 from knapformer.workload import WorkloadModel
 
-__all__ = ["ATTN_BACKENDS", "BalancerConfig"]
+__all__ = ["ATTN_BACKENDS", "ATTN_PATHS", "BalancerConfig"]
 
 ATTN_BACKENDS = BACKEND_NAMES
 """Attention backend names: the registry's (``knapformer.attention.registry``) plus ``auto``."""
+ATTN_PATHS = ("auto", "attention", "pre_attn")
+"""Values of ``BalancerConfig.attn_path``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +56,15 @@ class BalancerConfig:
     """Memory cap: no rank holds more routed tokens in a step. None = unlimited."""
     rank_speed: tuple[float, ...] | None = None
     """Relative throughput of each rank of the group (a 0.5 rank gets half the work)."""
+    attn_path: str = "auto"
+    """How a ring group's attention runs, which the planner prices (ring plans only; without
+    rings both are the same): ``attention`` — ``bal.attention``'s ring rounds (K/V blocks
+    around the ring, overlapped with the block attention); ``pre_attn`` — ``pre_attn``/
+    ``post_attn`` around your own kernel: keys and values all-gathered over the ring for one
+    varlen call, its exchange exposed and its keys/values counted against
+    ``max_tokens_per_rank``; ``auto`` — priced as ``attention`` until the first ``pre_attn``
+    call (the same on every rank), as ``pre_attn`` from the next plan on. With ``attention``
+    or ``pre_attn`` set, a ring plan run through the other call raises on every rank."""
     attn_backend: str = "auto"
     """Varlen attention kernel: ``auto`` (flash-attn on CUDA when importable, else SDPA) or a name
     of ``knapformer.attention.BACKENDS`` (``sdpa``, ``sdpa_mask``, ``flash``)."""
@@ -101,6 +112,8 @@ class BalancerConfig:
         if self.rank_speed is not None:
             size = layout.num_ranks if isinstance(layout, AutoLayout) else layout.group_size
             object.__setattr__(self, "rank_speed", validate_rank_speed(self.rank_speed, size or len(self.rank_speed)))
+        if self.attn_path not in ATTN_PATHS:
+            raise ValueError(f"BalancerConfig.attn_path must be one of {list(ATTN_PATHS)}, got {self.attn_path!r}")
         if self.attn_backend not in ATTN_BACKENDS:
             raise ValueError(f"unknown attention backend {self.attn_backend!r}; choose one of {list(ATTN_BACKENDS)}")
         if not isinstance(self.debug, bool):

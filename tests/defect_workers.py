@@ -70,7 +70,7 @@ def post_attn_wrong_rows(rank: int, world: int) -> dict:
                 lens = [] if rank == world - 1 else [40, 3, 17 + rank]
                 bal.plan(lens)
                 y = bal.route(torch.zeros(sum(lens), 1, dtype=torch.float64))
-                q2, k2, v2, cu, mx = bal.pre_attn(*_qkv(y.shape[0], seed=rank))
+                q2 = bal.pre_attn(*_qkv(y.shape[0], seed=rank)).q
                 o = q2.new_zeros(q2.shape[0] + extra, *q2.shape[1:]) if rank == culprit and extra > 0 else q2
                 if rank == culprit and extra < 0:
                     o = q2[: max(q2.shape[0] - 1, 0)] if q2.shape[0] else q2.new_zeros(0, q2.shape[1] + 1, q2.shape[2])

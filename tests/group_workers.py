@@ -83,7 +83,7 @@ def check_auto_balancer(
     from knapformer.plan.cost import LinkModel
 
     model = WorkloadModel(d_model=heads * 4, num_heads=heads)
-    link = LinkModel(intra_bw=1e9, inter_bw=1e9, gpus_per_node=world, units_per_second=1e9) if priced else None
+    link = LinkModel(intra_bw=3e7, inter_bw=3e7, gpus_per_node=world, units_per_second=1e9) if priced else None
     bal = SequenceBalancer(layout, model, link=link)
     seen = {"mixed_rank": False, "idle_rank": False, "partition": [], "sizes": set()}
     for step in range(steps):
@@ -97,8 +97,19 @@ def check_auto_balancer(
         seen["partition"].append(plan.is_partition)
         seen["sizes"] |= set(plan.group_sizes().tolist())
         seen.setdefault("rings", set()).update(r for r in plan.rings if r > 1)
-        _check_step(bal, plan, rank, heads, heads, seed + step, seen, custom_kernel=plan.ring is None)
+        _check_step(bal, plan, rank, heads, heads, seed + step, seen)
     return seen
+
+
+def custom_attention(bal, causal: bool):
+    """Attention through the custom-kernel path, the kernel being the contract's reference
+    (:func:`knapformer.attention.varlen_attention_qk`, separate query and key bounds)."""
+    from knapformer.attention import varlen_attention_qk
+
+    def attend(q, k, v):
+        return bal.post_attn(varlen_attention_qk(*bal.pre_attn(q, k, v, causal=causal), causal=causal))
+
+    return attend
 
 
 def _check_step(bal, plan, rank, heads, kv_heads, seed, seen, custom_kernel: bool = True, dv_extra: int = 2) -> None:
@@ -126,13 +137,12 @@ def _check_step(bal, plan, rank, heads, kv_heads, seed, seen, custom_kernel: boo
         ref = reference_attention(q, k, v, lens, causal=causal)[mine]
         out = bal.reverse_route(bal.attention(*bal.route(q[mine], k[mine], v[mine]), causal=causal))
         _close(out, ref, f"step {step} attention causal={causal}", 1e-10)
-    # -- the custom-kernel path: pre_attn -> one varlen call -> post_attn
-    from knapformer.attention import varlen_attention
-
+    # -- the custom-kernel path: pre_attn -> one varlen call -> post_attn (ring plans: K/V all-gathered)
     if custom_kernel:
-        q2, k2, v2, cu, mx = bal.pre_attn(*bal.route(q[mine], k[mine], v[mine]))
-        out = bal.reverse_route(bal.post_attn(varlen_attention(q2, k2, v2, cu, mx)))
-        _close(out, reference_attention(q, k, v, lens)[mine], f"step {step} pre_attn/post_attn", 1e-10)
+        for causal in (False, True):
+            out = bal.reverse_route(custom_attention(bal, causal)(*bal.route(q[mine], k[mine], v[mine])))
+            ref = reference_attention(q, k, v, lens, causal=causal)[mine]
+            _close(out, ref, f"step {step} pre_attn/post_attn causal={causal}", 1e-10)
     # -- gradients through qkv projection, attention, output projection
     F = 6
     x = torch.randn(total, F, generator=g, dtype=torch.float64)
@@ -153,16 +163,20 @@ def _check_step(bal, plan, rank, heads, kv_heads, seed, seen, custom_kernel: boo
     ref_w = [w.clone().requires_grad_() for w in (wq, wk, wv, wo)]
     out_r = layer(ref_x, ref_w, lambda a, b, c, lens=lens: reference_attention(a, b, c, lens, causal=True))
     (out_r * target).sum().backward()
-    bx = x[mine].clone().requires_grad_()
-    bw = [w.clone().requires_grad_() for w in (wq, wk, wv, wo)]
-    out_b = bal.reverse_route(layer(bal.route(bx), bw, lambda a, b, c: bal.attention(a, b, c, causal=True)))
-    _close(out_b, out_r.detach()[mine], f"step {step} layer forward", 1e-10)
-    (out_b * target[mine]).sum().backward()
-    _close(bx.grad, ref_x.grad[mine], f"step {step} grad x", 1e-10)
-    for name, w, r in zip(("wq", "wk", "wv", "wo"), bw, ref_w):
-        grad = w.grad.clone()
-        torch.distributed.all_reduce(grad, group=bal.group)
-        _close(grad, r.grad, f"step {step} grad {name}", 1e-10)
+    paths = [("attention", lambda a, b, c: bal.attention(a, b, c, causal=True))]
+    if custom_kernel:
+        paths.append(("pre_attn", custom_attention(bal, True)))
+    for path, attend in paths:
+        bx = x[mine].clone().requires_grad_()
+        bw = [w.clone().requires_grad_() for w in (wq, wk, wv, wo)]
+        out_b = bal.reverse_route(layer(bal.route(bx), bw, attend))
+        _close(out_b, out_r.detach()[mine], f"step {step} {path} layer forward", 1e-10)
+        (out_b * target[mine]).sum().backward()
+        _close(bx.grad, ref_x.grad[mine], f"step {step} {path} grad x", 1e-10)
+        for name, w, r in zip(("wq", "wk", "wv", "wo"), bw, ref_w):
+            grad = w.grad.clone()
+            torch.distributed.all_reduce(grad, group=bal.group)
+            _close(grad, r.grad, f"step {step} {path} grad {name}", 1e-10)
     _check_cross(bal, plan, rank, heads, kv_heads, g)
     spec = bal.spec
     degrees = {e.degree for e in spec.entries}
@@ -262,3 +276,70 @@ def check_bad_group_plans(rank: int, world: int) -> list[str]:
     q, kv = torch.zeros(y.shape[0], 6, 2), torch.zeros(y.shape[0], 3, 2)
     expect(lambda: bal.attention(q, kv, kv), "group (0, 1) of 2 ranks cannot share 3 kv heads (h=6)", InvalidPlanError)
     return msgs
+
+
+def check_auto_custom_kernel(rank: int, world: int, configs, steps: int, seed: int) -> list[dict]:
+    """A model that runs its own kernel (pre_attn -> one varlen call -> post_attn) under
+    ``SequenceBalancer("auto", ...)`` with the default ``attn_path="auto"``, per (h, h_kv,
+    causal, priced) of ``configs``: long-tailed lengths, the plans rings where the heads do not split;
+    the layer's output and gradients equal one process (fp64) every step; ``priced``: a link
+    model prices the exchanges (short sequences then stay whole beside the rings). Returns per
+    config the rings and sizes seen and whether each step's plan priced the all-gather."""
+    from knapformer.plan.cost import LinkModel
+
+    out = []
+    for c, (heads, kv_heads, causal, priced) in enumerate(configs):
+        model = WorkloadModel(d_model=heads * 4, num_heads=heads, num_kv_heads=kv_heads, causal=causal)
+        link = LinkModel(intra_bw=3e7, inter_bw=3e7, gpus_per_node=world, units_per_second=1e9) if priced else None
+        bal = SequenceBalancer("auto", model, link=link)
+        seen = {"rings": set(), "kv_gather": [], "sizes": set()}
+        for step in range(steps):
+            rng = np.random.default_rng(seed + 97 * c + step)
+            lens = [
+                np.clip(rng.lognormal(2.5, 1.4, size=int(rng.integers(0, 5))), 1, 300).astype(int).tolist()
+                for _ in range(world)
+            ]
+            lens[step % world] += [200 + 37 * step]  # a long one, on another rank each step
+            plan = bal.plan(lens[rank])
+            seen["rings"] |= {r for r in plan.rings if r > 1}
+            seen["sizes"] |= set(plan.group_sizes().tolist())
+            seen["kv_gather"].append(plan.kv_gather)
+            _custom_layer_step(bal, plan, rank, heads, kv_heads, causal, seed + 7 * step + c)
+        seen["rings"], seen["sizes"] = sorted(seen["rings"]), sorted(seen["sizes"])
+        out.append(seen)
+    return out
+
+
+def _custom_layer_step(bal, plan, rank, heads, kv_heads, causal, seed) -> None:
+    """qkv projection -> pre_attn/kernel/post_attn -> output projection: forward and every
+    gradient against one process."""
+    D, DV, F = 4, 6, 5
+    lens = [n for r in plan.seq_lens for n in r]
+    total, mine = sum(lens), _mine(plan, rank)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(total, F, generator=g, dtype=torch.float64)
+    ws = [
+        torch.randn(F, heads * D, generator=g, dtype=torch.float64),
+        torch.randn(F, kv_heads * D, generator=g, dtype=torch.float64),
+        torch.randn(F, kv_heads * DV, generator=g, dtype=torch.float64),
+        torch.randn(heads * DV, F, generator=g, dtype=torch.float64),
+    ]
+    target = torch.randn(total, F, generator=g, dtype=torch.float64)
+
+    def layer(xs, w, attend):
+        n = xs.shape[0]
+        q, k, v = (xs @ w[0]).view(n, heads, D), (xs @ w[1]).view(n, kv_heads, D), (xs @ w[2]).view(n, kv_heads, DV)
+        return attend(q, k, v).reshape(n, heads * DV) @ w[3]
+
+    rx, rw = x.clone().requires_grad_(), [w.clone().requires_grad_() for w in ws]
+    ref = layer(rx, rw, lambda a, b, c: reference_attention(a, b, c, lens, causal=causal))
+    (ref * target).sum().backward()
+    bx, bw = x[mine].clone().requires_grad_(), [w.clone().requires_grad_() for w in ws]
+    out = bal.reverse_route(layer(bal.route(bx), bw, custom_attention(bal, causal)))
+    _close(out, ref.detach()[mine], f"pre_attn h{heads}/kv{kv_heads} causal={causal} forward", 1e-10)
+    (out * target[mine]).sum().backward()
+    _close(bx.grad, rx.grad[mine], "pre_attn grad x", 1e-10)
+    for name, w, r in zip(("wq", "wk", "wv", "wo"), bw, rw):
+        grad = w.grad.clone()
+        torch.distributed.all_reduce(grad, group=bal.group)
+        _close(grad, r.grad, f"pre_attn h{heads}/kv{kv_heads} causal={causal} grad {name}", 1e-10)

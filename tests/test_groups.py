@@ -45,3 +45,25 @@ def test_auto_layout_uses_sizes_that_do_not_divide_a_small_group():
     assert all(s["partition"] == seen[0]["partition"] for s in seen)
     assert 2 in seen[0]["sizes"] and 3 not in seen[0]["sizes"], seen[0]["sizes"]
     assert not seen[0]["rings"]
+
+
+AUTO_CUSTOM = {  # (h, h_kv): the GQA cases whose groups only rings can serve
+    2: [(6, 3)],
+    3: [(8, 2), (4, 1), (12, 4)],
+    4: [(6, 3)],
+}
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_auto_runs_your_own_kernel_on_ring_plans(world):
+    """``auto`` with a model that only calls pre_attn/post_attn (its own varlen kernel, here the
+    contract's reference): plans with rings (heads the group sizes cannot split) run exactly,
+    causal and not, forward and gradients; the first plan prices ring rounds (no call seen yet),
+    every later one the all-gather (``attn_path="auto"``), the same on every rank."""
+    configs = [(h, kv, causal, causal) for h, kv in AUTO_CUSTOM[world] for causal in (False, True)]
+    seen = run_distributed(W.check_auto_custom_kernel, world, configs, 3, 300 + world, timeout=300)
+    assert all(s == seen[0] for s in seen), seen
+    for s in seen[0]:
+        assert s["kv_gather"] == [False, True, True], s
+    assert all(s["rings"] for s in seen[0]), seen[0]  # every config had a ring plan
+    assert any(1 in s["sizes"] and len(s["sizes"]) > 1 for s in seen[0]), seen[0]  # whole sequences beside

@@ -1,6 +1,7 @@
 """Varlen attention backends (no torch.distributed here).
 
-Main API: :func:`varlen_attention`, :func:`varlen_cross_attention`, the backend registry
+Main API: :func:`varlen_attention`, :func:`varlen_attention_qk` (separate query and key
+bounds: the custom-kernel contract), :func:`varlen_cross_attention`, the backend registry
 (:data:`BACKENDS`, :data:`BACKEND_NAMES`, :func:`get_backend`, :func:`available_backends`) and
 :class:`Backend`. Names resolve lazily, so the torch-free registry can be imported (by the
 config and the CLI) without importing torch.
@@ -20,6 +21,7 @@ __all__ = [
     "flash_available",
     "get_backend",
     "varlen_attention",
+    "varlen_attention_qk",
     "varlen_cross_attention",
 ]
 
@@ -32,6 +34,7 @@ _WHERE = {
     "VarlenAttention": "backend",
     "flash_available": "flash",
     "varlen_attention": "varlen",
+    "varlen_attention_qk": "varlen",
     "varlen_cross_attention": "varlen",
 }
 

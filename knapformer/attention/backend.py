@@ -2,8 +2,8 @@
 
 Shapes: q (N, h, D), k (N, h_kv, D), v (N, h_kv, Dv) -> (N, h, Dv), sequences bounded by an
 int32 ``cu_seqlens`` (n + 1,). With fewer kv heads (GQA/MQA, ``h % h_kv == 0``) query head i
-attends with kv head ``i // (h / h_kv)``. Cross-attention bounds the queries and the keys
-separately (``cu_q``, ``cu_k``: the same number of sequences).
+attends with kv head ``i // (h / h_kv)``. Cross-attention and the split form (``attend_qk``) bound the
+queries and the keys separately (``cu_q``, ``cu_k``: the same number of segments).
 """
 
 from __future__ import annotations
@@ -38,6 +38,10 @@ class Backend:
     """Self-attention within each packed sequence (causal or not)."""
     cross: CrossAttention | None = None
     """Queries of sequence i over context i (bounds as lists); None = SDPA's per-sequence form."""
+    attend_qk: Callable | None = None
+    """``(q, k, v, cu_q, cu_k, *, causal)`` (bounds as lists): segment i's queries over segment
+    i's keys, causal aligned to the bottom right — what ``pre_attn`` hands a custom kernel
+    (:func:`knapformer.attention.varlen_attention_qk`); None = SDPA's per-segment form."""
     unavailable: Callable[[torch.Tensor], str | None] = lambda q: None
     """Why the backend cannot run on tensors like ``q`` (None: it can)."""
     auto_priority: int | None = None

@@ -11,7 +11,7 @@ import torch
 
 from knapformer.attention.backend import Backend
 
-__all__ = ["BACKEND", "flash_available", "flash_cross", "flash_varlen"]
+__all__ = ["BACKEND", "flash_available", "flash_cross", "flash_qk", "flash_varlen"]
 
 
 @functools.cache
@@ -65,10 +65,31 @@ def flash_cross(q, k, v, cu_q: list[int], cu_k: list[int]) -> torch.Tensor:
     )
 
 
+def flash_qk(q, k, v, cu_q: list[int], cu_k: list[int], *, causal: bool) -> torch.Tensor:
+    """Separate q/k bounds in one varlen call; causal is bottom-right aligned in flash-attn
+    (since 2.1), as ``pre_attn``'s contract asks."""
+    from flash_attn import flash_attn_varlen_func
+
+    lq = [e - s for s, e in zip(cu_q[:-1], cu_q[1:])]
+    lk = [e - s for s, e in zip(cu_k[:-1], cu_k[1:])]
+    dev = q.device
+    return flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        torch.tensor(cu_q, device=dev, dtype=torch.int32),
+        torch.tensor(cu_k, device=dev, dtype=torch.int32),
+        max(lq, default=0),
+        max(lk, default=0),
+        causal=causal,
+    )
+
+
 BACKEND = Backend(
     name="flash",
     attend=flash_varlen,
     cross=flash_cross,
+    attend_qk=flash_qk,
     unavailable=_unavailable,
     auto_priority=10,
     block_kernels=("flash_attn", "cuda_flash", "cuda_efficient", "tiled"),

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from knapformer.attention.backend import Backend, check_gqa, empty_output
 
-__all__ = ["BACKEND", "sdpa_cross", "sdpa_per_sequence"]
+__all__ = ["BACKEND", "lower_right_mask", "sdpa_cross", "sdpa_per_sequence", "sdpa_qk"]
 
 
 def sdpa_per_sequence(q, k, v, cu_seqlens, max_len, *, causal):
@@ -58,4 +58,36 @@ def sdpa_cross(q, k, v, cu_q: list[int], cu_k: list[int]) -> torch.Tensor:
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
-BACKEND = Backend(name="sdpa", attend=sdpa_per_sequence, cross=sdpa_cross, auto_priority=0)
+def lower_right_mask(nq: int, nk: int, device=None) -> torch.Tensor:
+    """(nq, nk) bool: query t sees keys 0 … nk − nq + t (the causal mask aligned to the bottom
+    right, flash-attn's since 2.1; the top-left one when nq == nk)."""
+    return torch.ones(nq, nk, dtype=torch.bool, device=device).tril(diagonal=nk - nq)
+
+
+def sdpa_qk(q, k, v, cu_q: list[int], cu_k: list[int], *, causal: bool) -> torch.Tensor:
+    """Segment i's queries over segment i's keys, one SDPA each; causal: bottom-right aligned
+    (:func:`lower_right_mask`). A segment without queries is skipped; one without keys gives
+    zeros (attention over nothing adds nothing)."""
+    gqa = check_gqa(q, k, v)
+    lq = [e - s for s, e in zip(cu_q[:-1], cu_q[1:])]
+    lk = [e - s for s, e in zip(cu_k[:-1], cu_k[1:])]
+    outs = []
+    for qs, ks, vs in zip(torch.split(q, lq), torch.split(k, lk), torch.split(v, lk)) if lq else ():
+        nq, nk = qs.shape[0], ks.shape[0]
+        if nq == 0:
+            continue
+        if nk == 0:
+            outs.append(qs.new_zeros((nq, qs.shape[1], vs.shape[2])))
+            continue
+        mask = lower_right_mask(nq, nk, q.device) if causal and nq != nk else None
+        qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (qs, ks, vs))
+        o = F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=gqa
+        )
+        outs.append(o[0].transpose(0, 1))
+    if not outs:
+        return empty_output(q, k, v)
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+BACKEND = Backend(name="sdpa", attend=sdpa_per_sequence, cross=sdpa_cross, attend_qk=sdpa_qk, auto_priority=0)

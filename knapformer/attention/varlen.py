@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 
 from knapformer.attention.registry import resolve_backend
-from knapformer.attention.sdpa import sdpa_cross
+from knapformer.attention.sdpa import sdpa_cross, sdpa_qk
 
-__all__ = ["varlen_attention", "varlen_cross_attention"]
+__all__ = ["varlen_attention", "varlen_attention_qk", "varlen_cross_attention"]
 
 
 def varlen_attention(q, k, v, cu_seqlens, max_len: int, *, causal: bool = False, backend: str = "auto") -> torch.Tensor:
@@ -47,3 +47,38 @@ def varlen_cross_attention(
         )
     cross = resolve_backend(backend, q).cross or sdpa_cross
     return cross(q, k, v, cu_q, cu_k)
+
+
+def varlen_attention_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    *,
+    causal: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """The contract of a kernel ``SequenceBalancer.pre_attn`` hands its tensors to, in
+    flash-attn's argument order (``varlen_attention_qk(*bal.pre_attn(q, k, v, causal=c),
+    causal=c)``): q (N, h, D), k (M, h_kv, D), v (M, h_kv, Dv) -> (N, h, Dv); segment i's
+    queries ``q[cu_q[i]:cu_q[i+1]]`` attend to its keys ``k[cu_k[i]:cu_k[i+1]]`` (query head j
+    with kv head j // (h / h_kv)); ``causal`` masks aligned to the bottom right: query t of a
+    segment of n_q queries over n_k ≥ n_q keys sees keys 0 … n_k − n_q + t (flash-attn ≥ 2.1's
+    convention; the ordinary causal mask when n_q = n_k). The max lengths are accepted for
+    signature compatibility and not needed here."""
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    if len(cu_q) != len(cu_k) or not cu_q or cu_q[0] != 0 or cu_k[0] != 0:
+        raise ValueError(
+            f"cu_seqlens_q ({len(cu_q)} bounds) and cu_seqlens_k ({len(cu_k)}) must both start at 0 "
+            "and bound the same number of segments"
+        )
+    if cu_q[-1] != q.shape[0] or cu_k[-1] != k.shape[0] or k.shape[0] != v.shape[0]:
+        raise ValueError(
+            f"cu_seqlens_q covers {cu_q[-1]} queries (q has {q.shape[0]}), cu_seqlens_k {cu_k[-1]} keys "
+            f"(k has {k.shape[0]}, v {v.shape[0]})"
+        )
+    attend = resolve_backend(backend, q).attend_qk or sdpa_qk
+    return attend(q, k, v, cu_q, cu_k, causal=causal)

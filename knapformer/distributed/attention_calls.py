@@ -3,7 +3,9 @@
 
 Every call agrees first (:mod:`.checks`): this rank's local problem, or q/k/v shapes and dtypes
 that differ between ranks, raise on every rank before the exchange; a head count the plan's
-groups cannot split is an :class:`~knapformer.errors.InvalidPlanError` naming the group. Under
+groups cannot split is an :class:`~knapformer.errors.InvalidPlanError` naming the group, and
+so is a ring plan run on the other attention path than ``attn_path`` names (``attention``:
+ring rounds; ``pre_attn``: the K/V all-gather of :mod:`.kv_gather`). Under
 ``torch.autocast`` q, k, v are cast to the autocast dtype first (what SDPA does); under
 ``torch.compile`` ``attention`` and ``cross_attention`` are one opaque operator each
 (:mod:`.compiled`).
@@ -14,6 +16,7 @@ from __future__ import annotations
 import torch
 
 import knapformer.distributed.cross as cross
+import knapformer.distributed.kv_gather as kv_gather
 import knapformer.distributed.ring as ring
 import knapformer.distributed.trace as trace
 import knapformer.distributed.ulysses as ulysses
@@ -22,26 +25,61 @@ from knapformer.distributed.agree import describe
 from knapformer.distributed.checks import attention_problem
 from knapformer.errors import InvalidPlanError
 from knapformer.executor.opaque import attend
-from knapformer.executor.protocol import RoutedContext, context_tensors
+from knapformer.executor.protocol import RoutedContext, VarlenArgs, context_tensors
+from knapformer.plan.memory import gathered_memory
 
 __all__ = ["AttentionCalls", "autocast_inputs"]
 
 
 class AttentionCalls:
     """Attention methods; the balancer provides ``_require_spec``, ``_checks``, ``group``,
-    ``group_rank``, ``config``, ``_opaque`` and ``_call``."""
+    ``group_rank``, ``config``, ``_opaque``, ``_call`` and ``_kv_gather`` (plans price the
+    K/V all-gather of ``pre_attn``)."""
 
-    def _pre(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, op: str = "pre_attn") -> ulysses.UlyssesCall:
-        _, spec = self._require_spec()
+    def _pre(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, op: str = "pre_attn", causal: bool = False
+    ) -> ulysses.UlyssesCall:
+        plan, spec = self._require_spec()
         q, k, v = autocast_inputs(q, k, v)
         error = attention_problem(q, k, v, spec.num_routed, self.group_rank)
         values = () if error else tuple((n, describe(t)) for n, t in zip("qkv", (q, k, v)))
+        if op == "pre_attn" and not error:
+            values += (("causal", str(bool(causal))),)
         self._checks.agree(op, error, values)
         # the shapes agree: a plan whose groups cannot split them fails the same way on every rank
         heads = ulysses.check_heads(q.shape[1], k.shape[1], spec)
         if heads:
             raise InvalidPlanError(f"SequenceBalancer.{op}: the plan cannot run these heads: {heads}")
+        if spec.ring_rounds > 1:  # the plan and the settings are the same on every rank: so is this
+            self._check_ring_path(op, plan, q.shape[1], k.shape[1], causal)
+        if op == "pre_attn" and self.config.attn_path == "auto":
+            self._kv_gather = True  # the plans from now on price the all-gather (every rank is here)
         return ulysses.pre_attn_batches(q, k, v, spec, self.group)
+
+    def _check_ring_path(self, op: str, plan, h: int, h_kv: int, causal: bool) -> None:
+        """A ring plan runs on the attention path it was made for (``attn_path``); the
+        all-gather's keys and values fit the memory cap."""
+        path = self.config.attn_path
+        want = "pre_attn" if op == "pre_attn" else "attention"
+        if path != "auto" and path != want:
+            how = "its K/V all-gather" if want == "pre_attn" else "ring rounds"
+            raise InvalidPlanError(
+                f"SequenceBalancer.{op}: this plan has ring groups and was made for attn_path={path!r}, but "
+                f"{op} runs them through {how}, which the plan did not price"
+                + (" or count against max_tokens_per_rank" if want == "pre_attn" else "")
+                + f": set BalancerConfig(attn_path={want!r}) (or 'auto') for a model that calls {op}"
+            )
+        cap = plan.max_tokens_per_rank
+        if want == "pre_attn" and cap is not None:
+            held = gathered_memory(plan, h, h_kv, causal)
+            worst = int(held.argmax())
+            if held[worst] > cap:
+                raise InvalidPlanError(
+                    f"SequenceBalancer.pre_attn: with its gathered keys and values rank {worst} holds "
+                    f"{int(held[worst])} token-equivalents > max_tokens_per_rank={cap} under this plan "
+                    f"(made for attn_path={'pre_attn' if plan.kv_gather else 'attention'!r}); plans made "
+                    "with attn_path='pre_attn' count them (under 'auto' from the step after the first pre_attn)"
+                )
 
     def _post(self, call: ulysses.UlyssesCall, outs: list, error: str = "") -> torch.Tensor:
         _, spec = self._require_spec()
@@ -55,21 +93,20 @@ class AttentionCalls:
         return ulysses.post_attn_batches(call, outs, spec, self.group)
 
     @torch.compiler.disable
-    def pre_attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Routed q (R, h, D), k/v (R, h_kv, ·) -> ``(q2, k2, v2, cu_seqlens, max_len)`` for one
-        custom varlen kernel call; :meth:`post_attn` takes its output. A rank whose sequences
-        all have one degree k (every bag layout) gets (A, h/k, ·) with its head slice; a rank
-        mixing degrees gets (sequence, query head) pairs of one head each."""
+    def pre_attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> VarlenArgs:
+        """Routed q (R, h, D), k/v (R, h_kv, ·) -> the arguments of one custom varlen kernel call
+        (:class:`~knapformer.executor.VarlenArgs`, flash-attn's order: q, k, v, cu_seqlens_q,
+        cu_seqlens_k, max_seqlen_q, max_seqlen_k); :meth:`post_attn` takes the kernel's
+        output. Pass the ``causal`` your kernel uses: under a ring plan it shapes the key
+        segments (causal: bottom-right-aligned masks over key prefixes). A rank whose
+        sequences all have one degree k (every bag layout) gets (A, h/k, ·) with its head
+        slice; a rank mixing head slices gets (segment, query head) pairs of one head each.
+        Every plan runs here: ring groups gather their keys and values over the ring
+        (:mod:`knapformer.distributed.kv_gather`)."""
         _, spec = self._require_spec()
-        if spec.ring_rounds > 1:  # the plan is the same on every rank: so is this error
-            rings = [g for g, r in zip(spec.used_groups, spec.used_rings) if r > 1]
-            raise InvalidPlanError(
-                f"SequenceBalancer.pre_attn: this plan runs ring attention (groups {rings}), which a single "
-                "varlen kernel call cannot (rounds of blocks merged by their log-sum-exp); use bal.attention "
-                "(your own kernel can run the blocks as a block kernel: knapformer.attention.lse) or a plan "
-                "without rings (layout 'auto:noring')"
-            )
-        call = self._pre(q, k, v)
+        call = self._pre(q, k, v, causal=causal)
+        if spec.ring_rounds > 1:  # every rank joins the gather, with ring batches or not
+            call = kv_gather.gather_kv(call, spec, self.group, bool(causal))
         self._call = call
         return ulysses.flatten_pairs(call)
 
@@ -81,13 +118,12 @@ class AttentionCalls:
         if call is None:
             raise RuntimeError("SequenceBalancer.post_attn: call pre_attn first (post_attn inverts it)")
         self._call = None
-        if len(call.batches) == 1:
-            return self._post(call, [o])
-        n, dv = sum(b.q.shape[0] * b.q.shape[1] for b in call.batches), call.heads[3]
-        if isinstance(o, torch.Tensor) and tuple(o.shape) == (n, 1, dv):
+        expected = ulysses.output_shape(call)
+        if isinstance(o, torch.Tensor) and tuple(o.shape) == expected:
+            o = kv_gather.join_backward(o, call.kv_token)
             return self._post(call, ulysses.unflatten_pairs(o, call))
         got = tuple(o.shape) if isinstance(o, torch.Tensor) else type(o).__name__
-        error = f"post_attn got {got} on rank {self.group_rank}, expected {(n, 1, dv)} (pre_attn's head pairs)"
+        error = f"post_attn got {got} on rank {self.group_rank}, expected {expected} (pre_attn's query rows and heads)"
         return self._post(call, [], error)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:

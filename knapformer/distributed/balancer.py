@@ -116,6 +116,7 @@ class SequenceBalancer(AttentionCalls):
         self._plan: Plan | None = None
         self._spec: RouteSpec | None = None
         self._call: ulysses.UlyssesCall | None = None  # the last pre_attn, for post_attn
+        self._kv_gather = config.attn_path == "pre_attn"  # plans price pre_attn's K/V all-gather
         self._opaque = owner_handle(self)  # how torch.compile's operators find this balancer
 
     # -- settings --------------------------------------------------------------------------------
@@ -198,6 +199,7 @@ class SequenceBalancer(AttentionCalls):
             rank_speed=cfg.rank_speed,
             options=cfg.solver_options,
             link=cfg.link,
+            kv_gather=self._kv_gather,
         )
         try:
             plan = get_solver(cfg.solver)(problem, time_budget_s=cfg.time_budget_s)

@@ -33,7 +33,7 @@ import knapformer.distributed.lifetime as lifetime
 import knapformer.distributed.trace as trace
 from knapformer.distributed.spec import RouteSpec
 
-__all__ = ["all_to_all", "gather_sequences", "permute_rows", "reverse_route", "route"]
+__all__ = ["all_to_all", "exchange", "gather_sequences", "permute_rows", "reverse_route", "route"]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -59,6 +59,12 @@ def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch
         lambda: dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=group), (out, x)
     )
     return out
+
+
+def exchange(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    """One uneven ``all_to_all_single`` along dim 0, not differentiable: for the autograd
+    functions of other modules that pair it with their own backward."""
+    return _exchange(x, send, recv, group)
 
 
 def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group=None, name: str = "all_to_all") -> torch.Tensor:

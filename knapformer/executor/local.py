@@ -16,6 +16,7 @@ from knapformer.attention.varlen import varlen_attention
 from knapformer.executor.opaque import attend, register_kind
 from knapformer.executor.protocol import (
     RoutedContext,
+    VarlenArgs,
     context_problem,
     context_tensors,
     cross_attend,
@@ -82,13 +83,15 @@ class LocalExecutor:
             q, k, v, self._cu.to(q.device), max(self.seq_lens, default=0), causal=causal, backend=self.attn_backend
         )
 
-    def pre_attn(self, q, k, v):
-        """Every sequence is here: the inputs as they are, with their bounds."""
+    def pre_attn(self, q, k, v, causal: bool = False) -> VarlenArgs:
+        """Every sequence is here: the inputs as they are, with their bounds (queries and keys
+        share them; ``causal`` changes nothing)."""
         self._raise_pending()
         if q.shape[0] != self.num_tokens:
             raise ValueError(f"pre_attn: q has {q.shape[0]} rows; this executor has {self.num_tokens} tokens")
         self._pre_shape = (q.shape[0], q.shape[1], v.shape[2])
-        return q, k, v, self._cu.to(q.device), max(self.seq_lens, default=0)
+        cu, mx = self._cu.to(q.device), max(self.seq_lens, default=0)
+        return VarlenArgs(q, k, v, cu, cu, mx, mx)
 
     def post_attn(self, o):
         if self._pre_shape is None:

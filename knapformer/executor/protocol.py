@@ -17,7 +17,7 @@ method               input                            output
 route                (T, *F) per tensor               (R, *F) per tensor
 reverse_route        (R, *F) per tensor               (T, *F) per tensor, caller's order
 attention            q (R, h, D), k/v (R, h_kv, ·)    (R, h, Dv)
-pre_attn             q, k, v as for ``attention``     (q2, k2, v2, cu_seqlens, max_len)
+pre_attn             q, k, v as for ``attention``     :class:`VarlenArgs` (one kernel call)
 post_attn            the kernel's output on pre_attn  (R, h, Dv)
 routed_positions     --                               (R,) sequence id, (R,) position
 gather_sequences     (n_local, *F) per tensor         (n_group, *F) per tensor
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NoReturn, Protocol, runtime_checkable
+from typing import NamedTuple, NoReturn, Protocol, runtime_checkable
 
 import torch
 
@@ -41,6 +41,7 @@ from knapformer.attention.varlen import varlen_cross_attention
 __all__ = [
     "RoutedContext",
     "TokenExecutor",
+    "VarlenArgs",
     "context_problem",
     "context_tensors",
     "cross_attend",
@@ -65,8 +66,9 @@ class TokenExecutor(Protocol):
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
         """Attention of routed tokens within their own sequences."""
 
-    def pre_attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """``(q2, k2, v2, cu_seqlens, max_len)`` for one custom varlen kernel call."""
+    def pre_attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> VarlenArgs:
+        """The arguments of one custom varlen kernel call (:class:`VarlenArgs`); pass the
+        ``causal`` your kernel will use (it shapes the key segments under ring plans)."""
 
     def post_attn(self, o: torch.Tensor) -> torch.Tensor:
         """The custom kernel's output on :meth:`pre_attn`'s tensors -> (R, h, Dv)."""
@@ -92,6 +94,53 @@ class TokenExecutor(Protocol):
 
     def raise_everywhere(self, message: str) -> NoReturn:
         """Raise ``message`` now (on every rank of a balancing group)."""
+
+
+class VarlenArgs(NamedTuple):
+    """``pre_attn``'s result: the arguments of one varlen attention kernel call, in
+    flash-attn's positional order, so ``flash_attn_varlen_func(*args, causal=c)`` or
+    :func:`knapformer.attention.varlen_attention_qk` ``(*args, causal=c)`` runs it.
+
+    What the kernel must do (the whole contract): for each segment i, the queries
+    ``q[cu_seqlens_q[i]:cu_seqlens_q[i+1]]`` attend to the keys and values
+    ``k/v[cu_seqlens_k[i]:cu_seqlens_k[i+1]]``; query head j uses kv head j // (h / h_kv)
+    (GQA/MQA); with ``causal`` the mask is aligned to the *bottom right*: query t of a segment
+    of n_q queries over n_k keys sees keys 0 … n_k − n_q + t (flash-attn ≥ 2.1's convention,
+    ``torch.nn.attention.bias.causal_lower_right``; the ordinary causal mask when n_q = n_k).
+    Segments have n_k ≥ n_q ≥ 1. Without rings in the plan every segment is a whole sequence
+    (the two bounds are equal, the same tensor); under a ring plan a member's queries are its
+    block of the sequence and its keys the sequence's keys its queries may see (causal: one
+    segment per contiguous query run, over the key prefix up to its end)."""
+
+    q: torch.Tensor
+    """(N, h', D) queries."""
+    k: torch.Tensor
+    """(M, h_kv', D) keys."""
+    v: torch.Tensor
+    """(M, h_kv', Dv) values."""
+    cu_seqlens_q: torch.Tensor
+    """(n + 1,) int32 query bounds."""
+    cu_seqlens_k: torch.Tensor
+    """(n + 1,) int32 key bounds."""
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        """The one bound of both, when queries and keys share it (no ring in the plan): the
+        form of kernels that take a single ``cu_seqlens``. Raises when they differ."""
+        if self.cu_seqlens_k is not self.cu_seqlens_q:
+            raise ValueError(
+                "pre_attn: queries and keys have different segments under this plan (ring groups): "
+                "pass cu_seqlens_q and cu_seqlens_k to a kernel that takes both"
+            )
+        return self.cu_seqlens_q
+
+    @property
+    def max_len(self) -> int:
+        """The max length when queries and keys share their bounds (see :attr:`cu_seqlens`)."""
+        _ = self.cu_seqlens
+        return self.max_seqlen_q
 
 
 @dataclass(eq=False)

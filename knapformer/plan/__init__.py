@@ -56,6 +56,7 @@ def plan_sequences(
     time_budget_s: float | None = None,
     options: SolverOptions | None = None,
     link: LinkModel | None = None,
+    kv_gather: bool = False,
 ) -> Plan:
     """Plan one step for one balancing group. Deterministic for identical input.
 
@@ -63,7 +64,8 @@ def plan_sequences(
     per step); ``solver`` defaults to ``lpt`` for bag layouts and ``moldable`` for ``auto``.
     ``time_budget_s`` is for solvers that declare ``takes_time_budget`` (others refuse it);
     ``options`` tunes the solvers' iteration counts and tie-breaking; ``link`` prices the
-    Ulysses and route exchanges (``knapformer.plan.cost.LinkModel``)."""
+    Ulysses and route exchanges (``knapformer.plan.cost.LinkModel``); ``kv_gather`` plans for
+    the ``pre_attn`` path (ring groups all-gather K/V: priced and counted in memory)."""
     info = get_solver(solver if solver is not None else default_solver(layout))
     problem = PlanProblem(
         seq_lens=seq_lens,
@@ -73,5 +75,6 @@ def plan_sequences(
         rank_speed=rank_speed,
         options=options if options is not None else SolverOptions(),
         link=link,
+        kv_gather=kv_gather,
     )
     return info(problem, time_budget_s=time_budget_s)

@@ -33,6 +33,7 @@ class BoundInput(Protocol):
 
     model: WorkloadModel
     link: LinkModel | None
+    kv_gather: bool
 
     def ring_of(self, k: int) -> int: ...
 
@@ -123,7 +124,7 @@ def _size_costs(problem: BoundInput, sizes, L: np.ndarray, fastest: float) -> tu
     comm = 0.0
     if link is not None:
         ring = np.asarray([problem.ring_of(int(v)) for v in sizes], dtype=np.int64)[:, None]
-        comm = member_comm_lower(L[None, :], k, model, link, ring=ring)
+        comm = member_comm_lower(L[None, :], k, model, link, ring=ring, gather=problem.kv_gather)
     per = np.broadcast_to(model.chunk_cost(-(-L // k), L, k) / fastest + comm, shape)
     total = np.broadcast_to(model.cost(L) + (k - 1) * model.per_seq_coef + k * comm * slowest, shape)
     return per, total

@@ -289,7 +289,9 @@ def kv_values(u, model: WorkloadModel):
     return np.where(np.mod(h_kv, u) == 0, h_kv / u, 1.0) * 2 * d
 
 
-def ring_exposed(sent_intra, sent_inter, rounds, attn_seconds, link: LinkModel, *, latency: bool = True):
+def ring_exposed(
+    sent_intra, sent_inter, rounds, attn_seconds, link: LinkModel, *, latency: bool = True, gather: bool = False
+):
     """Seconds per layer (all passes) a member's ring exchanges add to its time — what the block
     attention they overlap with does not hide (the executor issues round j + 1's exchange before
     computing round j). ``sent_*``: K/V values it sends per layer forward (= receives) over each
@@ -298,29 +300,37 @@ def ring_exposed(sent_intra, sent_inter, rounds, attn_seconds, link: LinkModel, 
     Forward: ``rounds − 1`` exchanges of K/V, hidden behind all but the last round's blocks
     (⅓ of the attention is forward). Backward: the K/V again plus their gradients back to the
     owners (fp32 when activations travel in half precision), ``rounds`` exchanges, hidden
-    behind ⅔ of the attention the same way. With activation recompute the forward runs twice."""
+    behind ⅔ of the attention the same way. With activation recompute the forward runs twice.
+
+    ``gather`` (the ``pre_attn`` path, :mod:`knapformer.distributed.kv_gather`): one
+    all-gather of the same K/V per forward pass and one exchange of their gradients (in the
+    activations' dtype) per backward, before and after the kernel call — nothing hides them."""
     R = np.asarray(rounds, dtype=np.float64)
     b = link.bytes_per_value
     kv = np.asarray(sent_intra) * b / link.intra_bw + np.asarray(sent_inter) * b / link.inter_bw
-    grads = max(4.0 / b, 1.0)
     lat = 0.0
     if latency:
         lat = np.where(np.asarray(sent_inter) > 0, link.inter_latency, link.intra_latency)
+    fwd_passes = max(link.exchange_passes - 1, 1)
+    if gather:
+        return np.where(R > 1, (fwd_passes + 1) * (lat + kv), 0.0)
+    grads = max(4.0 / b, 1.0)
     hide = np.where(R > 1, (R - 1) / np.maximum(R, 1), 0.0) * np.asarray(attn_seconds)
     fwd = np.maximum((R - 1) * lat + kv - hide / 3.0, 0.0)
     bwd = np.maximum(R * lat + kv * (1.0 + grads) - 2.0 * hide / 3.0, 0.0)
-    fwd_passes = max(link.exchange_passes - 1, 1)
     return np.where(R > 1, fwd_passes * fwd + bwd, 0.0)
 
 
-def ring_seconds(f: CommFeatures, link: LinkModel, model: WorkloadModel, speed: np.ndarray | float = 1.0) -> np.ndarray:
+def ring_seconds(
+    f: CommFeatures, link: LinkModel, model: WorkloadModel, speed: np.ndarray | float = 1.0, *, gather: bool = False
+) -> np.ndarray:
     """(S,) seconds per layer each rank spends in ring exchanges beyond the attention they
     overlap with (:func:`ring_exposed`); every rank joins every round of the plan's largest
-    ring."""
+    ring (``gather``: the one all-gather of the ``pre_attn`` path instead)."""
     if f.ring_rounds <= 1:
         return np.zeros(f.ring_kv.shape[1])
     attn_s = model.quad_coef * f.ring_attn / np.asarray(speed, dtype=np.float64) / link.units_per_second
-    return ring_exposed(f.ring_kv[0], f.ring_kv[1], f.ring_rounds, attn_s, link)
+    return ring_exposed(f.ring_kv[0], f.ring_kv[1], f.ring_rounds, attn_s, link, gather=gather)
 
 
 def route_seconds(f: CommFeatures, link: LinkModel) -> np.ndarray:
@@ -353,9 +363,10 @@ def route_home_estimate(L, k, model: WorkloadModel, link: LinkModel):
     return np.where(k > 1, 4 * one / model.num_layers * link.units_per_second, 0.0)
 
 
-def _ring_member(L, k, ring, model: WorkloadModel, link: LinkModel, cross, latency: bool):
+def _ring_member(L, k, ring, model: WorkloadModel, link: LinkModel, cross, latency: bool, gather: bool = False):
     """Cost units one member of a k-group run as ``ring`` sub-groups pays for its ring exchanges
-    of a sequence of length L (see :func:`ring_exposed`); arrays broadcast."""
+    of a sequence of length L (see :func:`ring_exposed`; ``gather``: the ``pre_attn`` path's
+    all-gather); arrays broadcast."""
     L = np.asarray(L, dtype=np.float64)
     k = np.asarray(k, dtype=np.float64)
     ring = np.asarray(ring, dtype=np.float64)
@@ -363,7 +374,7 @@ def _ring_member(L, k, ring, model: WorkloadModel, link: LinkModel, cross, laten
     sent = (ring - 1) * (L / ring) * kv_values(u, model)
     attn_s = model.quad_coef * L * L / k / link.units_per_second
     intra, inter = np.where(cross, 0.0, sent), np.where(cross, sent, 0.0)
-    return ring_exposed(intra, inter, ring, attn_s, link, latency=latency) * link.units_per_second
+    return ring_exposed(intra, inter, ring, attn_s, link, latency=latency, gather=gather) * link.units_per_second
 
 
 def _ulysses_member(L, u, model: WorkloadModel, link: LinkModel, cross, *, lower: bool):
@@ -386,7 +397,7 @@ def _ulysses_member(L, u, model: WorkloadModel, link: LinkModel, cross, *, lower
     return np.where(u > 1, seconds * link.exchange_passes * link.units_per_second, 0.0)
 
 
-def _member_comm(L, k, model: WorkloadModel, link: LinkModel, cross, ring, *, lower: bool):
+def _member_comm(L, k, model: WorkloadModel, link: LinkModel, cross, ring, *, lower: bool, gather: bool = False):
     L = np.asarray(L, dtype=np.float64)
     k = np.asarray(k, dtype=np.int64)
     ring = np.asarray(ring, dtype=np.int64)
@@ -395,12 +406,12 @@ def _member_comm(L, k, model: WorkloadModel, link: LinkModel, cross, ring, *, lo
     ringed = ring > 1
     sub = _ulysses_member(L / ring, u, model, link, np.where(ringed, u > gpn, cross), lower=lower)
     ring_cross = k > gpn if lower else cross
-    around = _ring_member(L, k, np.maximum(ring, 1), model, link, ring_cross, latency=not lower)
+    around = _ring_member(L, k, np.maximum(ring, 1), model, link, ring_cross, latency=not lower, gather=gather)
     out = np.where(k > 1, sub + np.where(ringed, around, 0.0), 0.0)
     return out
 
 
-def member_comm_lower(L: np.ndarray, k, model: WorkloadModel, link: LinkModel, *, cross=False, ring=1):
+def member_comm_lower(L: np.ndarray, k, model: WorkloadModel, link: LinkModel, *, cross=False, ring=1, gather=False):
     """A lower bound on what the busiest member of a k-group pays for one sequence of length L,
     in cost units: it receives at least (L − ⌈L/k⌉) tokens' heads before and sends as many
     outputs after attention (latency left out: it is shared by all sequences of a rank). Run as
@@ -410,15 +421,16 @@ def member_comm_lower(L: np.ndarray, k, model: WorkloadModel, link: LinkModel, *
     hides depends on all its ring sequences and the plan's largest ring, see
     :mod:`knapformer.plan.bound`).
     ``k``, ``ring`` (and ``cross``) may be arrays that broadcast against L: many group sizes
-    priced in one call."""
-    return _member_comm(L, k, model, link, cross, ring, lower=True)
+    priced in one call. ``gather``: rings run as the ``pre_attn`` path's K/V all-gather."""
+    return _member_comm(L, k, model, link, cross, ring, lower=True, gather=gather)
 
 
-def member_comm_estimate(L: np.ndarray, k, model: WorkloadModel, link: LinkModel, *, cross=False, ring=1):
+def member_comm_estimate(L: np.ndarray, k, model: WorkloadModel, link: LinkModel, *, cross=False, ring=1, gather=False):
     """What one member of a k-group typically pays for a sequence of length L, in cost units:
     it holds L/k tokens, so it sends and receives L·(k−1)/k tokens' heads per exchange (plus
     the local copies). Run as ``ring`` sub-groups: that inside its sub-group over a block of
     L/r tokens, plus its exposed ring exchanges (``cross``: the ring crosses nodes). The
     planner's per-sequence estimate; plans are then priced exactly by :func:`ulysses_seconds`
-    and :func:`ring_seconds`. Arrays broadcast as in :func:`member_comm_lower`."""
-    return _member_comm(L, k, model, link, cross, ring, lower=False)
+    and :func:`ring_seconds`. Arrays broadcast as in :func:`member_comm_lower`; ``gather`` as
+    there."""
+    return _member_comm(L, k, model, link, cross, ring, lower=False, gather=gather)

@@ -41,6 +41,7 @@ import numpy as np
 from knapformer.cost_terms import COST_TERMS, coefficients
 from knapformer.plan.chunks import chunk_table, slot_arrays, zigzag_slots
 from knapformer.plan.cost import comm_features, jitter_factor, ring_seconds, route_seconds, ulysses_seconds
+from knapformer.plan.memory import gathered_memory
 from knapformer.plan.problem import PlanProblem, moldable_lower_bound
 from knapformer.plan.seqindex import (
     DST,
@@ -145,6 +146,10 @@ class Plan:
     """Per group: the ring sub-groups r it runs as — Ulysses over the k/r members of each
     sub-group (consecutive members), ring attention across the r sub-groups. None: 1 for every
     group (Ulysses alone)."""
+    kv_gather: bool = False
+    """Made for the ``pre_attn`` path (``attn_path="pre_attn"``): its ring groups all-gather
+    keys and values for one kernel call, priced so in ``time_after`` and counted in
+    :meth:`memory_per_rank` (not part of the digest: the data a step moves is the same)."""
 
     # -- derived ---------------------------------------------------------------------------
     @property
@@ -197,6 +202,17 @@ class Plan:
     def tokens_per_rank(self) -> np.ndarray:
         """(S,) routed tokens held by each rank."""
         return sum_by(self.chunks[:, DST], self.chunks[:, LEN], self.num_ranks).astype(np.int64)
+
+    def memory_per_rank(self) -> np.ndarray:
+        """(S,) what each rank holds in the unit ``max_tokens_per_rank`` caps: its routed
+        tokens, plus on a plan made for the ``pre_attn`` path the keys and values its ring
+        groups gather, as tokens (:mod:`knapformer.plan.memory`; the cost model's heads and
+        causal flag)."""
+        if not self.kv_gather or self.ring is None:
+            return self.tokens_per_rank()
+        m = self.cost_model
+        h, h_kv = (m.num_heads, m.num_kv_heads) if m is not None else (None, None)
+        return gathered_memory(self, h, h_kv, bool(m is not None and m.causal))
 
     def group_sizes(self) -> np.ndarray:
         """(n,) parallel degree k of each sequence."""
@@ -280,6 +296,7 @@ def _plan_to_dict(plan: Plan) -> dict[str, Any]:
         "max_tokens_per_rank": plan.max_tokens_per_rank,
         "cost_model": plan.cost_model.to_dict() if plan.cost_model is not None else None,
         "ring": list(plan.ring) if plan.ring is not None else None,
+        "kv_gather": plan.kv_gather,
         "stats": plan.stats(),
     }
 
@@ -309,9 +326,16 @@ def _plan_from_dict(d: dict[str, Any]) -> Plan:
             max_tokens_per_rank=d.get("max_tokens_per_rank"),
             cost_model=WorkloadModel.from_dict(d["cost_model"]) if d.get("cost_model") else None,
             ring=tuple(int(r) for r in d["ring"]) if d.get("ring") is not None else None,
+            kv_gather=_flag(d.get("kv_gather", False), "kv_gather"),
         )
     except (TypeError, ValueError) as exc:
         raise ValueError(f"malformed plan JSON: {exc}") from exc
+
+
+def _flag(v, name: str) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError(f"{name} must be true or false, got {v!r}")
+    return v
 
 
 def _imbalance(t: np.ndarray) -> float:
@@ -343,7 +367,7 @@ def rank_times(problem: PlanProblem, groups, seq_group: np.ndarray, chunks: np.n
             t = t * (1.0 + link.sync_jitter * jitter_factor(largest_group(groups, seq_group, problem.num_ranks)))
         comm = comm_features(problem.index, groups, seq_group, chunks, model, link.gpus_per_node, ring)
         per_layer = ulysses_seconds(comm, link) + route_seconds(comm, link) / model.num_layers
-        per_layer = per_layer + ring_seconds(comm, link, model, problem.speed)
+        per_layer = per_layer + ring_seconds(comm, link, model, problem.speed, gather=problem.kv_gather)
         t = t + per_layer * link.units_per_second
     return t
 
@@ -377,15 +401,18 @@ def build_plan(
         max_tokens_per_rank=problem.max_tokens_per_rank,
         cost_model=problem.model,
         ring=ring,
+        kv_gather=problem.kv_gather,
     )
     plan.__dict__["index"] = problem.index  # share the numbering (fills the cached_property)
     cap = problem.max_tokens_per_rank
     if cap is not None:
-        tok = plan.tokens_per_rank()
+        tok = plan.memory_per_rank()
         worst = int(np.argmax(tok)) if tok.size else 0
         if tok.size and tok[worst] > cap:
+            routed = tok[worst] == plan.tokens_per_rank()[worst]
+            what = "tokens" if routed else "token-equivalents (gathered K/V included)"
             raise ValueError(
-                f"solver {solver!r} put {int(tok[worst])} tokens on rank {worst}, over max_tokens_per_rank={cap}"
+                f"solver {solver!r} put {int(tok[worst])} {what} on rank {worst}, over max_tokens_per_rank={cap}"
             )
     return plan
 
@@ -400,17 +427,24 @@ def plan_from_groups(
     max_tokens_per_rank: int | None = None,
     solver: str = "manual",
     ring=None,
+    kv_gather: bool = False,
 ) -> Plan:
     """A plan with the groups you choose: sequence ``g`` runs on ``groups[seq_group[g]]``
     (ordered, distinct ranks; groups may overlap). Chunking, costs and the lower bound are the
     planner's own (the bound allows every group size up to the whole group), so the result
     validates and runs with ``SequenceBalancer.use_plan``. ``ring`` (per group, dividing its
     size) runs a group as that many ring sub-groups; by default a group runs as a ring only
-    when the model's heads cannot split it (:meth:`PlanProblem.ring_of`)."""
+    when the model's heads cannot split it (:meth:`PlanProblem.ring_of`). ``kv_gather``: made
+    for the ``pre_attn`` path (see :attr:`Plan.kv_gather`)."""
     S = len(seq_lens)
     layout = f"g1n{S}"
     problem = PlanProblem(
-        seq_lens=seq_lens, layout=layout, model=model, rank_speed=rank_speed, max_tokens_per_rank=max_tokens_per_rank
+        seq_lens=seq_lens,
+        layout=layout,
+        model=model,
+        rank_speed=rank_speed,
+        max_tokens_per_rank=max_tokens_per_rank,
+        kv_gather=kv_gather,
     )
     plan = build_plan(problem, np.asarray(seq_group, dtype=np.int64), solver=solver, groups=groups, ring=ring)
     object.__setattr__(plan, "lower_bound", moldable_lower_bound(problem, range(1, S + 1)))

@@ -22,6 +22,7 @@ import numpy as np
 from knapformer.layout import AutoLayout, BagLayout, parse_layout
 from knapformer.plan.bound import moldable_lower_bound
 from knapformer.plan.cost import LinkModel
+from knapformer.plan.memory import gather_extra_estimate, gather_share
 from knapformer.plan.seqindex import SeqIndex, spread_over_groups, stable_order, sum_by
 from knapformer.workload import WorkloadModel
 
@@ -171,6 +172,11 @@ class PlanProblem:
     """Solver knobs (iteration counts, tie tolerance)."""
     link: LinkModel | None = None
     """Links between the ranks: prices Ulysses exchanges in the plan's times (None = free)."""
+    kv_gather: bool = False
+    """Ring groups run on the ``pre_attn`` path (one custom kernel call after a K/V all-gather
+    over the ring, :mod:`knapformer.distributed.kv_gather`): priced so, and the gathered keys
+    and values counted against ``max_tokens_per_rank`` (:mod:`knapformer.plan.memory`).
+    False: ring rounds (``bal.attention``)."""
 
     def __post_init__(self) -> None:
         layout = parse_layout(self.layout)
@@ -189,6 +195,8 @@ class PlanProblem:
             raise ValueError(f"max_tokens_per_rank must be a positive int, got {cap!r}")
         if self.rank_speed is not None:
             object.__setattr__(self, "rank_speed", validate_rank_speed(self.rank_speed, layout.group_size))
+        if not isinstance(self.kv_gather, bool):
+            raise TypeError(f"kv_gather must be a bool, got {self.kv_gather!r}")
 
     # -- sequences ------------------------------------------------------------------------
     @property
@@ -292,6 +300,19 @@ class PlanProblem:
                 continue
             out.append(k)
         return tuple(out)
+
+    def gather_need(self, L, k) -> np.ndarray:
+        """Token-equivalents a member of a k-group holds for a sequence of L tokens beyond its
+        ⌈L/k⌉ routed ones: on the ``pre_attn`` path (:attr:`kv_gather`) a ring group's
+        gathered keys and values (an upper bound, :func:`~knapformer.plan.memory.gather_extra_estimate`),
+        else nothing. Arrays broadcast (``k`` an int)."""
+        L = np.asarray(L, dtype=np.float64)
+        r = self.ring_of(int(k))
+        if not self.kv_gather or r == 1:
+            return np.zeros(L.shape, dtype=np.int64)
+        m = self.model
+        share = gather_share(int(k) // r, m.num_heads, m.num_kv_heads)
+        return np.ceil(share * gather_extra_estimate(L, r, m.causal)).astype(np.int64)
 
     def ring_of(self, k: int) -> int:
         """How many ring sub-groups a k-rank group of this problem runs as: 1 (Ulysses over all

@@ -35,6 +35,7 @@ class PlanForm(Protocol):
     max_tokens_per_rank: int | None
     cost_model: object
     ring: tuple[int, ...] | None
+    kv_gather: bool
 
     @property
     def index(self) -> SeqIndex: ...
@@ -47,6 +48,7 @@ class PlanForm(Protocol):
     @property
     def makespan(self) -> float: ...
     def tokens_per_rank(self) -> np.ndarray: ...
+    def memory_per_rank(self) -> np.ndarray: ...
     def stats(self) -> dict[str, float]: ...
 
 
@@ -157,10 +159,12 @@ def check_plan(plan: PlanForm) -> None:
             )
             _fail(f"{where(~order)} chunks are not in {what} / one per member")
     if plan.max_tokens_per_rank is not None:
-        tok = plan.tokens_per_rank()
+        tok = plan.memory_per_rank()
         worst = int(np.argmax(tok)) if tok.size else 0
         if tok.size and tok[worst] > plan.max_tokens_per_rank:
-            _fail(f"rank {worst} holds {tok[worst]} tokens > max_tokens_per_rank={plan.max_tokens_per_rank}")
+            routed = tok[worst] == plan.tokens_per_rank()[worst]
+            what = "tokens" if routed else "token-equivalents (gathered K/V included)"
+            _fail(f"rank {worst} holds {tok[worst]} {what} > max_tokens_per_rank={plan.max_tokens_per_rank}")
     if plan.time_after.shape != (S,) or plan.time_before.shape != (S,):
         _fail(f"time_before/time_after must have one entry per rank ({S})")
     if plan.makespan < plan.lower_bound * (1 - 1e-9):

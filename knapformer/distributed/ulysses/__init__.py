@@ -3,7 +3,8 @@ form for custom kernels.
 
 Main API: :func:`pre_attn_batches` / :func:`post_attn_batches` (around a layer's attention),
 :func:`ulysses_layout` (derived once per plan and head configuration), :func:`check_heads`,
-:func:`flatten_pairs` / :func:`unflatten_pairs` (``pre_attn``'s one-call form).
+:func:`flatten_pairs` / :func:`unflatten_pairs` / :func:`output_shape` (``pre_attn``'s one-call
+form).
 """
 
 from knapformer.distributed.ulysses.exchange import (
@@ -14,7 +15,7 @@ from knapformer.distributed.ulysses.exchange import (
     pre_attn_batches,
 )
 from knapformer.distributed.ulysses.layout import UlyssesLayout, heads_error, member_heads, ulysses_layout
-from knapformer.distributed.ulysses.pairs import flatten_pairs, unflatten_pairs
+from knapformer.distributed.ulysses.pairs import flatten_pairs, output_shape, unflatten_pairs
 
 __all__ = [
     "AttnBatch",
@@ -24,6 +25,7 @@ __all__ = [
     "flatten_pairs",
     "heads_error",
     "member_heads",
+    "output_shape",
     "post_attn_batches",
     "pre_attn_batches",
     "ulysses_layout",

@@ -54,7 +54,12 @@ class AttnBatch:
     ring: GroupEntry | None = None
     """A ring batch: its entry (sub-group, ring peers, every sub-group's blocks). q, k, v are
     then this rank's heads of its own block of each sequence; attention is not complete until
-    the other blocks' K/V have passed (:mod:`knapformer.distributed.ring`)."""
+    the other blocks' K/V have passed (:mod:`knapformer.distributed.ring`) or been gathered
+    (:mod:`knapformer.distributed.kv_gather`)."""
+    cu_seqlens_k: torch.Tensor | None = None
+    """Key bounds when they differ from the query bounds ``cu_seqlens`` (a gathered ring
+    batch: k, v then hold each segment's keys); None: the same."""
+    max_len_k: int | None = None
 
 
 def check_heads(h: int, h_kv: int, spec: RouteSpec) -> str:
@@ -189,6 +194,11 @@ class UlyssesCall:
     when the plan has no multi-rank group): a rank with nothing to send back still joins the
     backward exchanges through it. Not a view: holding the receive buffer itself would keep a
     whole layer's q, k, v alive until post attention."""
+    pairs: list | None = None
+    """The custom-kernel form's pair indices, once computed (:mod:`.pairs`)."""
+    kv_token: torch.Tensor | None = None
+    """After a K/V gather (``pre_attn`` under a ring plan): the empty token of its exchange,
+    joined to the kernel's output so that every rank runs the gather's backward."""
 
 
 def pre_attn_batches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: RouteSpec, group=None) -> UlyssesCall:

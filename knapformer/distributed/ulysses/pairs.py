@@ -1,79 +1,139 @@
-"""The custom-kernel form of a Ulysses call: every attention batch as one varlen call over
-(sequence, query head) pairs of one head each.
+"""The custom-kernel form of a Ulysses call: every attention batch in one varlen call.
 
-``SequenceBalancer.pre_attn`` hands a rank whose sequences all have one degree its batch as
-it is; a rank mixing degrees (different head slices per batch) gets one flat call in which
-every (sequence, query head) pair is its own "sequence" of one head (kv heads copied per query
-head), so any varlen kernel runs it once. :func:`unflatten_pairs` undoes it for the output.
+``SequenceBalancer.pre_attn`` hands a rank its batches as one
+:class:`~knapformer.executor.VarlenArgs`:
+
+- one batch (every bag layout, or a rank whose sequences all have one degree): as it is;
+- several batches with the same head slice widths (a pure ring beside sequences run alone,
+  rings of one Ulysses size): their rows concatenated, the bounds shifted;
+- batches of different head slices (a rank mixing degrees): every (segment, query head) pair
+  becomes its own segment of one head (kv heads copied per query head), so any varlen kernel
+  runs it once.
+
+Query and key bounds are separate (a gathered ring batch's keys are not its queries'
+sequence, :mod:`knapformer.distributed.kv_gather`); without one they are the same tensor.
+:func:`unflatten_pairs` undoes the form for the output, whose rows follow the queries.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from knapformer.distributed.spec import concat_ranges
 from knapformer.distributed.ulysses.exchange import AttnBatch, UlyssesCall
+from knapformer.executor.protocol import VarlenArgs
 
-__all__ = ["flatten_pairs", "unflatten_pairs"]
+__all__ = ["flatten_pairs", "output_shape", "unflatten_pairs"]
 
 
-def _pair_index(batch: AttnBatch) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """Rows of ``q.view(A * hq, D)`` and ``k.view(A * hkv, D)`` in (sequence, query head, token)
-    order, and the pair lengths."""
-    A, hq = batch.q.shape[0], batch.q.shape[1]
-    hkv = batch.k.shape[1]
+def _form(call: UlyssesCall) -> str:
+    if len(call.batches) <= 1:
+        return "one" if call.batches else "empty"
+    if len({(b.q.shape[1], b.k.shape[1]) for b in call.batches}) == 1:
+        return "rows"
+    return "pairs"
+
+
+def _bounds(b: AttnBatch) -> tuple[np.ndarray, np.ndarray]:
+    cu_q = b.cu_seqlens.cpu().numpy().astype(np.int64)
+    cu_k = cu_q if b.cu_seqlens_k is None else b.cu_seqlens_k.cpu().numpy().astype(np.int64)
+    return cu_q, cu_k
+
+
+def _pair_index(b: AttnBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Rows of ``q.view(A * hq, D)`` and of ``k.view(M * hkv, D)`` in (segment, query head,
+    token) order, and each pair's query and key lengths."""
+    hq, hkv = b.q.shape[1], b.k.shape[1]
     ratio = hq // hkv
-    cu = batch.cu_seqlens.tolist()
-    device = batch.q.device
-    q_rows, k_rows, lens = [], [], []
-    for c0, c1 in zip(cu[:-1], cu[1:]):
-        t = torch.arange(c0, c1, device=device)
-        for j in range(hq):
-            q_rows.append(t * hq + j)
-            k_rows.append(t * hkv + j // ratio)
-            lens.append(c1 - c0)
-    if not q_rows:
-        empty = torch.zeros(0, dtype=torch.int64, device=device)
-        return empty, empty, []
-    del A
-    return torch.cat(q_rows), torch.cat(k_rows), lens
+    cu_q, cu_k = _bounds(b)
+    nseg = cu_q.size - 1
+    heads = np.tile(np.arange(hq, dtype=np.int64), nseg)
+    lq, lk = np.repeat(np.diff(cu_q), hq), np.repeat(np.diff(cu_k), hq)
+    q_rows = concat_ranges(np.repeat(cu_q[:-1], hq), lq) * hq + np.repeat(heads, lq)
+    k_rows = concat_ranges(np.repeat(cu_k[:-1], hq), lk) * hkv + np.repeat(heads // ratio, lk)
+    return q_rows, k_rows, lq, lk
 
 
-def flatten_pairs(call: UlyssesCall):
-    """All batches as one varlen call over (sequence, query head) pairs of one head each (kv
-    heads copied per query head): ``(q, k, v, cu_seqlens, max_len)`` for a custom kernel. A rank
-    with one batch gets that batch as it is."""
-    if len(call.batches) == 1:
-        b = call.batches[0]
-        return b.q, b.k, b.v, b.cu_seqlens, b.max_len
-    if not call.batches:  # a rank with no sequences this step: empty, but in the graph
+def _pairs(call: UlyssesCall):
+    """Per batch ``_pair_index`` as index tensors (computed once per call: pre and post)."""
+    if call.pairs is None:
+        device = call.batches[0].q.device
+        call.pairs = []
+        for b in call.batches:
+            q_rows, k_rows, lq, lk = _pair_index(b)
+            call.pairs.append((torch.from_numpy(q_rows).to(device), torch.from_numpy(k_rows).to(device), lq, lk))
+    return call.pairs
+
+
+def _cu(lens, device) -> torch.Tensor:
+    return torch.tensor([0, *np.cumsum(lens, dtype=np.int64).tolist()], dtype=torch.int32, device=device)
+
+
+def flatten_pairs(call: UlyssesCall) -> VarlenArgs:
+    """All batches as one varlen call (module docstring): a custom kernel's arguments."""
+    form = _form(call)
+    if form == "empty":  # a rank with no sequences this step: empty, but in the graph
         h, h_kv, d, dv = call.heads
         z = call.anchor
         cu = torch.zeros(1, dtype=torch.int32, device=z.device)
-        return z.view(0, 1, d), z.view(0, 1, d), z.view(0, 1, dv), cu, 0
-    qs, ks, vs, lens = [], [], [], []
-    for b in call.batches:
-        qi, ki, li = _pair_index(b)
-        qs.append(b.q.reshape(-1, b.q.shape[2]).index_select(0, qi))
-        ks.append(b.k.reshape(-1, b.k.shape[2]).index_select(0, ki))
-        vs.append(b.v.reshape(-1, b.v.shape[2]).index_select(0, ki))
-        lens += li
+        return VarlenArgs(z.view(0, 1, d), z.view(0, 1, d), z.view(0, 1, dv), cu, cu, 0, 0)
+    if form == "one":
+        b = call.batches[0]
+        cu_k = b.cu_seqlens if b.cu_seqlens_k is None else b.cu_seqlens_k
+        max_k = b.max_len if b.max_len_k is None else b.max_len_k
+        return VarlenArgs(b.q, b.k, b.v, b.cu_seqlens, cu_k, b.max_len, max_k)
     device = call.batches[0].q.device
-    cu = torch.tensor([0, *torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    return (torch.cat(qs)[:, None], torch.cat(ks)[:, None], torch.cat(vs)[:, None], cu, max(lens, default=0))
+    split = any(b.cu_seqlens_k is not None for b in call.batches)
+    if form == "rows":
+        lq, lk = [], []
+        for b in call.batches:
+            cu_q, cu_k = _bounds(b)
+            lq += np.diff(cu_q).tolist()
+            lk += np.diff(cu_k).tolist()
+        qs, ks, vs = ([getattr(b, n) for b in call.batches] for n in "qkv")
+        q, k, v = torch.cat(qs), torch.cat(ks), torch.cat(vs)
+    else:
+        qs, ks, vs, lq, lk = [], [], [], [], []
+        for b, (qi, ki, li_q, li_k) in zip(call.batches, _pairs(call)):
+            qs.append(b.q.reshape(-1, b.q.shape[2]).index_select(0, qi))
+            ks.append(b.k.reshape(-1, b.k.shape[2]).index_select(0, ki))
+            vs.append(b.v.reshape(-1, b.v.shape[2]).index_select(0, ki))
+            lq += li_q.tolist()
+            lk += li_k.tolist()
+        q, k, v = torch.cat(qs)[:, None], torch.cat(ks)[:, None], torch.cat(vs)[:, None]
+    cu_q = _cu(lq, device)
+    cu_k = _cu(lk, device) if split else cu_q
+    return VarlenArgs(q, k, v, cu_q, cu_k, max(lq, default=0), max(lk, default=0) if split else max(lq, default=0))
+
+
+def output_shape(call: UlyssesCall) -> tuple[int, int, int]:
+    """The shape the kernel's output on :func:`flatten_pairs`'s arguments has."""
+    dv = call.heads[3]
+    form = _form(call)
+    if form == "empty":
+        return (0, 1, dv)
+    if form in ("one", "rows"):
+        b = call.batches[0]
+        return (sum(x.q.shape[0] for x in call.batches), b.q.shape[1], dv)
+    return (sum(b.q.shape[0] * b.q.shape[1] for b in call.batches), 1, dv)
 
 
 def unflatten_pairs(o: torch.Tensor, call: UlyssesCall) -> list[torch.Tensor]:
-    """Inverse of :func:`flatten_pairs` for the attention output (N, 1, Dv) -> per batch."""
-    if len(call.batches) == 1:
+    """Inverse of :func:`flatten_pairs` for the attention output -> one tensor per batch."""
+    form = _form(call)
+    if form == "one":
         return [o]
-    outs, start = [], 0  # (no batches: nothing to return)
+    if form == "empty":
+        return []
+    if form == "rows":
+        return list(torch.split(o, [b.q.shape[0] for b in call.batches]))
+    outs, start = [], 0
     dv = o.shape[2]
-    for b in call.batches:
-        qi, _, _ = _pair_index(b)
+    for b, (qi, _, _, _) in zip(call.batches, _pairs(call)):
         n = qi.numel()
         part = o[start : start + n, 0]
-        full = part.new_empty((b.q.shape[0] * b.q.shape[1], dv))
-        full = full.index_copy(0, qi, part)
+        full = part.new_empty((b.q.shape[0] * b.q.shape[1], dv)).index_copy(0, qi, part)
         outs.append(full.view(b.q.shape[0], b.q.shape[1], dv))
         start += n
     return outs

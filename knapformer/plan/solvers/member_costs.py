@@ -85,7 +85,8 @@ def _member_rows(problem: PlanProblem, degrees, L: np.ndarray) -> np.ndarray:
     if link is not None:
         ring = np.asarray([problem.ring_of(int(v)) for v in degrees], dtype=np.int64)[:, None]
         c = c * (1.0 + link.sync_jitter * jitter_factor(k))
-        c = c + member_comm_estimate(L[None, :], k, model, link, cross=k > link.gpus_per_node, ring=ring)
+        cross = k > link.gpus_per_node
+        c = c + member_comm_estimate(L[None, :], k, model, link, cross=cross, ring=ring, gather=problem.kv_gather)
     return np.broadcast_to(c, (k.shape[0], L.size)).astype(np.float64)
 
 

@@ -126,9 +126,14 @@ def _candidate(problem: PlanProblem, costs: MemberCosts, pick: np.ndarray) -> Pl
             load[home[g]] += r
             if place is not None:
                 place.add(1, int(home[g]), r, 0)
+    extra = np.zeros(n, dtype=np.int64)  # the pre_attn path's gathered K/V, as tokens
+    if problem.kv_gather and cap is not None:
+        for k in used:
+            at = multi[degree[multi] == k]
+            extra[at] = problem.gather_need(L[at], k)
     for g in multi.tolist():
         k = int(degree[g])
-        need = -(-int(L[g]) // k)
+        need = -(-int(L[g]) // k) + int(extra[g])
         if place is not None:  # one speed: block maxima kept up to date
             b = place.best(k, c[g], need, int(home[g]))
             if b < 0:
@@ -204,6 +209,7 @@ def _solve_bags(problem: PlanProblem, spec: str, *, quick: bool = False) -> Plan
         rank_speed=problem.rank_speed,
         options=options,
         link=problem.link,
+        kv_gather=problem.kv_gather,
     )
     try:
         plan = solve_lpt(sub)
