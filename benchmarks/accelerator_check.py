@@ -28,7 +28,13 @@ Parts:
 7. ring attention's block kernels (``knapformer.attention.lse``): each kernel's probe verdict
    on the device (bf16, 24 heads of 128), agreement with the tiled reference, and one ring
    rank's block work (L/4 queries against 4 blocks, forward + backward) timed with its peak
-   memory for L = 8k, 32k, 128k — fused kernels vs the tiled path vs SDPA in one call.
+   memory for L = 8k, 32k, 128k — fused kernels vs the tiled path vs SDPA in one call;
+8. the ``pre_attn`` path's kernel call on ring plans (``knapformer.attention.varlen_attention_qk``,
+   what a custom kernel gets after the K/V all-gather): one ring member's zigzag block of a
+   sequence (r = 4; causal: two query runs over their key prefixes, bottom-right masks; not
+   causal: the block over all keys) against whole-sequence attention (every backend the
+   device runs: flash-attn's causal alignment is the point), then timed forward + backward
+   with its peak memory next to part 7's ring block work, L = 8k, 32k, 128k.
 """
 
 from __future__ import annotations
@@ -555,6 +561,66 @@ def part_ring_kernels(smoke: bool) -> dict:
     }
 
 
+# -- part 8 -------------------------------------------------------------------------------------------
+def _zigzag_member(L: int, r: int, s: int, causal: bool):
+    """Member s of a ring of r on a sequence of L: its query rows (positions, zigzag half-blocks s
+    and 2r − 1 − s) and the (query run, key prefix) segments the pre_attn path lays out."""
+    h = L // (2 * r)
+    runs = [(s * h, h), ((2 * r - 1 - s) * h, h)]
+    rows = torch.cat([torch.arange(a, a + n) for a, n in runs])
+    if not causal:
+        return rows, [(rows.numel(), L)], [torch.arange(L)]
+    return rows, [(n, a + n) for a, n in runs], [torch.arange(a + n) for a, n in runs]
+
+
+def part_gather_kernel(smoke: bool) -> dict:
+    """The pre_attn path's one kernel call on a ring member's block (module docstring)."""
+    import torch.nn.functional as F
+
+    from knapformer.attention import available_backends, varlen_attention_qk
+
+    device = torch.device("cpu") if smoke else _cuda()
+    dtype = torch.float32 if smoke else torch.bfloat16
+    h, d, r = (4, 32, 4) if smoke else (24, 128, 4)
+    backends = [n for n, why in available_backends(device).items() if why is None and n != "sdpa_mask"]
+    g = torch.Generator(device=device).manual_seed(0)
+    rows, errors = [], {}
+    for L in (512,) if smoke else (8192, 32768, 131072):
+        q, k, v = (torch.randn(L, h, d, device=device, dtype=dtype, generator=g) for _ in range(3))
+        for causal in (False, True):
+            member, segs, keys = _zigzag_member(L, r, r - 2, causal)
+            key_rows = torch.cat(keys).to(device)
+            qs, ks, vs = q[member.to(device)], k[key_rows], v[key_rows]
+            cu_q = torch.tensor([0, *torch.tensor([a for a, _ in segs]).cumsum(0).tolist()], dtype=torch.int32)
+            cu_k = torch.tensor([0, *torch.tensor([b for _, b in segs]).cumsum(0).tolist()], dtype=torch.int32)
+            args = (cu_q.to(device), cu_k.to(device), max(a for a, _ in segs), max(b for _, b in segs))
+            if L <= 32768:  # the whole sequence's attention, rows of this member
+                full = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)), is_causal=causal)
+                ref = full[0].transpose(0, 1)[member.to(device)].float()
+            for name in backends:
+                out = varlen_attention_qk(qs, ks, vs, *args, causal=causal, backend=name)
+                if L <= 32768:
+                    errors[f"{name} L={L} causal={causal}"] = float((out.float() - ref).abs().max() / ref.abs().max())
+                qg, kg, vg = (t.detach().requires_grad_() for t in (qs, ks, vs))
+
+                def work(qg=qg, kg=kg, vg=vg, name=name, causal=causal):
+                    varlen_attention_qk(qg, kg, vg, *args, causal=causal, backend=name).sum().backward()
+
+                rows.append(
+                    {
+                        "L": L,
+                        "causal": causal,
+                        "backend": name,
+                        "key_rows": int(key_rows.numel()),
+                        "seconds": _time(work, 3, device),
+                        "peak_gib": _peak(work, device),
+                    }
+                )
+    worst = max(errors.values(), default=0.0)
+    ok = bool(errors) and worst <= (1e-4 if dtype == torch.float32 else 5e-2)
+    return {"status": "ok" if ok else "failed", "backends": backends, "rel_err": errors, "worst": worst, "rows": rows}
+
+
 def _run(name: str, fn, results: dict) -> None:
     t = time.perf_counter()
     try:
@@ -575,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, CUDA parts skipped (CI)")
     p.add_argument("--out", default=None, help="output folder (default runs/accelerator[/smoke])")
-    p.add_argument("--parts", default="1,2,3,4,5,6,7", help="comma-separated part numbers to run")
+    p.add_argument("--parts", default="1,2,3,4,5,6,7,8", help="comma-separated part numbers to run")
     args = p.parse_args(argv)
     out_dir = Path(args.out) if args.out else ROOT / "runs" / "accelerator" / ("smoke" if args.smoke else "")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -597,6 +663,8 @@ def main(argv: list[str] | None = None) -> int:
         _run("6 ring block math", lambda: part_ring(smoke), results)
     if 7 in parts:
         _run("7 ring block kernels", lambda: part_ring_kernels(smoke), results)
+    if 8 in parts:
+        _run("8 pre_attn kernel on ring blocks", lambda: part_gather_kernel(smoke), results)
     meta = {
         "smoke": smoke,
         "torch": torch.__version__,
@@ -626,6 +694,15 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(
             f"    simulate {sim['ranks']} ranks: speedup {sim['speedup']:.3f}x of ideal {sim['ideal_speedup']:.3f}x"
         )
+    gk = results.get("8 pre_attn kernel on ring blocks", {})
+    if "worst" in gk:
+        lines.append(f"    pre_attn on ring blocks: worst relative error {gk['worst']:.1e} ({', '.join(gk['backends'])})")
+        for r in gk["rows"]:
+            peak = f", peak {r['peak_gib']:.2f} GiB" if r.get("peak_gib") is not None else ""
+            lines.append(
+                f"    pre_attn L={r['L']} causal={r['causal']} {r['backend']}: {r['key_rows']} key rows, "
+                f"{r['seconds'] * 1e3:.1f} ms{peak}"
+            )
     ring = results.get("6 ring block math", {})
     if ring.get("status") in ("ok", "failed") and "worst_rel_err" in ring:
         w = ring["worst_rel_err"]

@@ -102,8 +102,8 @@ class AutoLayout:
     rules of a link model) allow."""
     ring: bool = True
     """Groups the heads cannot split run as rings of Ulysses sub-groups (any size k). False:
-    only sizes the heads split (at most the head count) — for ``pre_attn``/``post_attn``
-    custom kernels, which cannot run a ring."""
+    only sizes the heads split (at most the head count): no ring exchanges at all (also none
+    of ``pre_attn``'s K/V all-gathers, which hold about a sequence's keys per member)."""
 
     def __post_init__(self) -> None:
         for name in ("num_ranks", "max_degree"):

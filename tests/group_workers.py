@@ -101,13 +101,35 @@ def check_auto_balancer(
     return seen
 
 
-def custom_attention(bal, causal: bool):
+def loop_kernel(args, causal: bool) -> torch.Tensor:
+    """A user's kernel written from the contract alone: SDPA per segment with an explicit
+    bottom-right causal mask, and a *fresh* empty tensor when the rank has no query (it uses
+    neither q nor k then: the balancer must still run every backward exchange)."""
+    outs = []
+    for i in range(len(args.cu_seqlens_q) - 1):
+        (qa, qb), (ka, kb) = args.cu_seqlens_q[i : i + 2].tolist(), args.cu_seqlens_k[i : i + 2].tolist()
+        q, k, v = (t.transpose(0, 1) for t in (args.q[qa:qb], args.k[ka:kb], args.v[ka:kb]))
+        rep = q.shape[0] // k.shape[0]
+        k, v = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)
+        mask = None
+        if causal:
+            mask = torch.ones(qb - qa, kb - ka, dtype=torch.bool).tril(diagonal=(kb - ka) - (qb - qa))
+        outs.append(torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(0, 1))
+    if not outs:
+        return torch.zeros(0, args.q.shape[1], args.v.shape[2], dtype=args.q.dtype)
+    return torch.cat(outs)
+
+
+def custom_attention(bal, causal: bool, kernel: str = "reference"):
     """Attention through the custom-kernel path, the kernel being the contract's reference
-    (:func:`knapformer.attention.varlen_attention_qk`, separate query and key bounds)."""
+    (:func:`knapformer.attention.varlen_attention_qk`, separate query and key bounds) or
+    :func:`loop_kernel` (``kernel="loop"``)."""
     from knapformer.attention import varlen_attention_qk
 
     def attend(q, k, v):
-        return bal.post_attn(varlen_attention_qk(*bal.pre_attn(q, k, v, causal=causal), causal=causal))
+        args = bal.pre_attn(q, k, v, causal=causal)
+        o = varlen_attention_qk(*args, causal=causal) if kernel == "reference" else loop_kernel(args, causal)
+        return bal.post_attn(o)
 
     return attend
 
@@ -165,7 +187,7 @@ def _check_step(bal, plan, rank, heads, kv_heads, seed, seen, custom_kernel: boo
     (out_r * target).sum().backward()
     paths = [("attention", lambda a, b, c: bal.attention(a, b, c, causal=True))]
     if custom_kernel:
-        paths.append(("pre_attn", custom_attention(bal, True)))
+        paths.append(("pre_attn", custom_attention(bal, True, kernel="loop")))
     for path, attend in paths:
         bx = x[mine].clone().requires_grad_()
         bw = [w.clone().requires_grad_() for w in (wq, wk, wv, wo)]

@@ -180,3 +180,76 @@ def check_ring_plans_and_bad_ones(rank: int, world: int, configs, steps: int, se
         check_bad_ring_plans(rank, world),
         check_contiguous_ring_plan(rank, world),
     )
+
+
+def check_attn_paths(rank: int, world: int) -> list[str]:
+    """A ring plan run through the other call than ``attn_path`` names raises the same error on
+    every rank (and the balancer goes on); gathered K/V over ``max_tokens_per_rank`` raise at
+    pre_attn under ``auto``, and a plan made for the pre_attn path refuses them up front."""
+    from knapformer.attention import varlen_attention_qk
+
+    lens = [[60, 5]] + [[3]] * (world - 1)
+    groups = [tuple(range(world))] + [(r,) for r in range(world)]
+    seq_group = [0, 1] + list(range(2, world + 1))
+    plan = plan_from_groups(lens, groups, seq_group, MODEL, ring=[world] + [1] * world)
+    g = torch.Generator().manual_seed(1)
+    n = sum(map(sum, lens))
+    q = torch.randn(n, 2, 3, dtype=torch.float64, generator=g)
+    start = sum(sum(r) for r in lens[:rank])
+    mine = q[start : start + sum(lens[rank])]
+    ref = reference_attention(q, q, q, [x for r in lens for x in r])[start : start + sum(lens[rank])]
+    msgs = []
+
+    def run(bal, call):
+        y = bal.route(mine)
+        if call == "attention":
+            return bal.reverse_route(bal.attention(y, y, y))
+        return bal.reverse_route(bal.post_attn(varlen_attention_qk(*bal.pre_attn(y, y, y))))
+
+    for path, wrong, right in (("attention", "pre_attn", "attention"), ("pre_attn", "attention", "pre_attn")):
+        bal = SequenceBalancer(f"g1n{world}", MODEL, attn_path=path)
+        bal.use_plan(plan)
+        try:
+            run(bal, wrong)
+        except InvalidPlanError as exc:
+            msgs.append(str(exc))
+        else:
+            raise AssertionError(f"attn_path={path!r} ran a ring plan through {wrong}")
+        assert f"made for attn_path={path!r}" in msgs[-1] and f"attn_path={wrong!r}" in msgs[-1], msgs[-1]
+        bal.use_plan(plan)  # the next step runs on the right call
+        out = run(bal, right)
+        assert (out - ref).abs().max() < 1e-10
+    # the memory cap: 60 + 5 + 3·(world − 1) tokens; the ring of all ranks holds ~60/world each
+    cap = int(plan.tokens_per_rank().max()) + 1
+    capped = plan_from_groups(lens, groups, seq_group, MODEL, ring=[world] + [1] * world, max_tokens_per_rank=cap)
+    bal = SequenceBalancer(f"g1n{world}", MODEL)
+    bal.use_plan(capped)
+    try:
+        run(bal, "pre_attn")
+    except InvalidPlanError as exc:
+        msgs.append(str(exc))
+    else:
+        raise AssertionError("pre_attn gathered K/V beyond max_tokens_per_rank")
+    assert "token-equivalents > max_tokens_per_rank" in msgs[-1], msgs[-1]
+    try:
+        plan_from_groups(
+            lens, groups, seq_group, MODEL, ring=[world] + [1] * world, max_tokens_per_rank=cap, kv_gather=True
+        )
+    except ValueError as exc:
+        msgs.append(str(exc))
+    else:
+        raise AssertionError("a plan for the pre_attn path broke the memory cap")
+    assert "gathered K/V included" in msgs[-1], msgs[-1]
+    bal.use_plan(plan)  # without the cap the same step runs
+    assert (run(bal, "pre_attn") - ref).abs().max() < 1e-10
+    # one 1-token sequence on a ring of every rank: all but one member hold no query, and a
+    # kernel that then returns a fresh empty tensor (using neither q nor k) still lets every
+    # rank run the backward exchanges
+    one = plan_from_groups([[1]] + [[]] * (world - 1), [tuple(range(world))], [0], MODEL, ring=[world])
+    bal.use_plan(one)
+    x = torch.randn(1 if rank == 0 else 0, 2, 3, dtype=torch.float64, requires_grad=True)
+    y = bal.route(x)
+    out = bal.reverse_route(bal.post_attn(G.loop_kernel(bal.pre_attn(y, y, y, causal=True), True)))
+    out.sum().backward()
+    assert x.grad is not None and torch.equal(out.detach(), x.detach())  # one token attends to itself
+    return msgs

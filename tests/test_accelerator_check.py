@@ -18,7 +18,7 @@ def test_accelerator_check_smoke(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads((tmp_path / "check.json").read_text())
     parts = report["parts"]
-    assert len(parts) == 7 and report["meta"]["smoke"] is True
+    assert len(parts) == 8 and report["meta"]["smoke"] is True
     for name, part in parts.items():
         assert part["status"] in ("ok", "skipped"), (name, part)
         if part["status"] == "skipped":
@@ -27,4 +27,6 @@ def test_accelerator_check_smoke(tmp_path):
     assert parts["6 ring block math"]["worst_rel_err"]["fp64"] <= 1e-9
     kernels = parts["7 ring block kernels"]
     assert {"cpu_flash", "tiled"} <= set(kernels["usable"]) and kernels["worst_rel_err"] <= 1e-4, kernels
+    gathered = parts["8 pre_attn kernel on ring blocks"]
+    assert "sdpa" in gathered["backends"] and gathered["worst"] <= 1e-4 and len(gathered["rel_err"]) >= 2, gathered
     assert (tmp_path / "check.txt").read_text().startswith("accelerator check")

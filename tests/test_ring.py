@@ -42,3 +42,12 @@ def test_ring_plans_and_bad_rings_on_4_ranks():
     assert all(len(m) == 4 for m in msgs) and all(m[:2] == msgs[0][:2] for m in msgs), msgs
     assert len(set(same)) == 1 and "ranks disagree before data moves" in same[0], same
     assert out[0][2]["zigzag_chunks_per_member"] == [2] * 4, out[0][2]  # the 61-token ring: two chunks each
+
+
+def test_ring_plans_on_the_other_attention_path_raise_on_every_rank():
+    """attn_path="attention" + pre_attn, and "pre_attn" + attention, on a ring plan: the same
+    InvalidPlanError on every rank naming the setting, and the next step runs; gathered K/V
+    beyond the memory cap raise at pre_attn (a plan for the pre_attn path refuses them)."""
+    msgs = run_distributed(W.check_attn_paths, 3, timeout=120)
+    assert all(m == msgs[0] for m in msgs), msgs
+    assert len(msgs[0]) == 4

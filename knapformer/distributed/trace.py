@@ -16,7 +16,8 @@ PLAN = "knapformer.plan"
 """Gathering the lengths, solving and building the route spec (``plan`` / ``use_plan``)."""
 EXCHANGE = "knapformer.exchange"
 """One all-to-all, suffixed with what it moves: ``.route``, ``.reverse_route``,
-``.pre_attn``, ``.post_attn``, ``.gather_sequences``, ``.route_context`` — and ``.backward``
+``.pre_attn``, ``.post_attn``, ``.kv_gather`` (``pre_attn``'s K/V all-gather under a ring
+plan), ``.gather_sequences``, ``.route_context`` — and ``.backward``
 for the gradients' way back."""
 ATTENTION = "knapformer.attention"
 """This rank's local attention of one layer (its varlen batches)."""

@@ -43,11 +43,11 @@ def gather_extra_estimate(L, r, causal: bool):
     Arrays broadcast."""
     L = np.asarray(L, dtype=np.float64)
     r = np.asarray(r, dtype=np.float64)
-    if causal:
-        extra = (2 * r - 1) / (2 * r) * L + 2 * r + 3
+    if causal:  # two prefixes of at most L keys each
+        extra = np.minimum((2 * r - 1) / (2 * r) * L + 2 * r + 3, 2 * L)
     else:
-        extra = (r - 1) / r * L + 2
-    return np.where(r > 1, np.minimum(extra, L), 0.0)
+        extra = np.minimum((r - 1) / r * L + 2, L)
+    return np.where(r > 1, extra, 0.0)
 
 
 def gathered_rows(plan, causal: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -204,10 +204,9 @@ class Plan:
         return sum_by(self.chunks[:, DST], self.chunks[:, LEN], self.num_ranks).astype(np.int64)
 
     def memory_per_rank(self) -> np.ndarray:
-        """(S,) what each rank holds in the unit ``max_tokens_per_rank`` caps: its routed
-        tokens, plus on a plan made for the ``pre_attn`` path the keys and values its ring
-        groups gather, as tokens (:mod:`knapformer.plan.memory`; the cost model's heads and
-        causal flag)."""
+        """(S,) what each rank holds in the unit ``max_tokens_per_rank`` caps: routed tokens,
+        plus on a plan for the ``pre_attn`` path its rings' gathered K/V as tokens
+        (:mod:`knapformer.plan.memory`; the cost model's heads and causal flag)."""
         if not self.kv_gather or self.ring is None:
             return self.tokens_per_rank()
         m = self.cost_model
@@ -326,16 +325,16 @@ def _plan_from_dict(d: dict[str, Any]) -> Plan:
             max_tokens_per_rank=d.get("max_tokens_per_rank"),
             cost_model=WorkloadModel.from_dict(d["cost_model"]) if d.get("cost_model") else None,
             ring=tuple(int(r) for r in d["ring"]) if d.get("ring") is not None else None,
-            kv_gather=_flag(d.get("kv_gather", False), "kv_gather"),
+            kv_gather=d.get("kv_gather", False) is True or _not_a_flag(d.get("kv_gather", False)),
         )
     except (TypeError, ValueError) as exc:
         raise ValueError(f"malformed plan JSON: {exc}") from exc
 
 
-def _flag(v, name: str) -> bool:
-    if not isinstance(v, bool):
-        raise ValueError(f"{name} must be true or false, got {v!r}")
-    return v
+def _not_a_flag(v) -> bool:
+    if v is not False:
+        raise ValueError(f"kv_gather must be true or false, got {v!r}")
+    return False
 
 
 def _imbalance(t: np.ndarray) -> float:

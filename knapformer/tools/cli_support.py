@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from knapformer.config import ATTN_BACKENDS
+from knapformer.config import ATTN_BACKENDS, ATTN_PATHS
 from knapformer.plan import DEFAULT_SOLVER, SOLVERS
 from knapformer.workload import WorkloadModel
 
@@ -186,6 +186,14 @@ def add_balancer_args(
         default=None,
         help="relative speed of each rank of the group, comma-separated (e.g. 1,1,0.5,1)",
     )
+    g.add_argument(
+        "--attn-path",
+        default="auto",
+        choices=list(ATTN_PATHS),
+        help="how ring groups attend, as the planner prices it: attention (bal.attention's ring rounds) or "
+        "pre_attn (your own kernel through pre_attn/post_attn: K/V all-gathered over the ring, counted "
+        "against --max-tokens); auto: attention until the first pre_attn call",
+    )
     if execution:
         g.add_argument("--attn-backend", default="auto", choices=list(ATTN_BACKENDS), help="varlen attention kernel")
     g.add_argument("--gamma", type=nonneg_float, default=1.0, help="γ of the paper cost form used for planning")
@@ -226,6 +234,7 @@ BALANCER_FLAGS: dict[str, str] = {
     "max_tokens_per_rank": "max_tokens",
     "rank_speed": "rank_speed",
     "time_budget_s": "time_budget",
+    "attn_path": "attn_path",
     "attn_backend": "attn_backend",
     "debug": "debug",
     "measure": "measure",

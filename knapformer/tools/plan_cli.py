@@ -38,7 +38,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--heads",
         type=positive_int,
         default=None,
-        help="attention heads (the degrees --bags auto may choose must divide them)",
+        help="attention heads: a group of --bags auto whose size does not split them runs as a ring of "
+        "Ulysses sub-groups whose size does (without --heads: power-of-two sizes, rings beyond 8)",
     )
     p.add_argument("--kv-heads", type=positive_int, default=None, help="key/value heads (GQA/MQA)")
     p.add_argument(
@@ -87,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         rank_speed=args.rank_speed,
         link=link,
         time_budget_s=args.time_budget,
+        kv_gather=args.attn_path == "pre_attn",
     )
     if args.output:
         Path(args.output).write_text(plan.to_json() + "\n")

@@ -57,6 +57,9 @@ class SimConfig:
     """Memory cap of the balanced run (routed tokens per rank)."""
     rank_speed: tuple[float, ...] | None = None
     """Relative speed of each rank of a balancing group (the planner gives slow ranks less)."""
+    attn_path: str = "auto"
+    """How the balanced run's planner prices ring groups (``BalancerConfig.attn_path``; the
+    simulated models call ``bal.attention``)."""
     attn_backend: str = "auto"
     """Varlen attention kernel of both runs."""
     debug: bool = False

@@ -246,7 +246,11 @@ def solve_lpt(problem: PlanProblem, *, time_budget_s: float | None = None) -> Pl
             settled.add(id(candidates[-1]))
         except ValueError:
             continue
-    assert candidates, "every start meets the cap, so local search keeps one"
+    if not candidates:  # the token-only starts met the cap; the pre_attn path's gathered K/V do not
+        raise ValueError(
+            f"no plan of layout {problem.layout.spec()} keeps max_tokens_per_rank={problem.max_tokens_per_rank} "
+            "once its ring bags' gathered keys and values (attn_path 'pre_attn') are counted"
+        )
     best = min(candidates, key=lambda p: p.makespan)
     if best.makespan > stop_at:  # small inputs: search exactly from the best plan so far
         exact = branch_and_bound(problem, best.seq_group, max_nodes=opts.bnb_nodes)
