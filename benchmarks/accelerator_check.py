@@ -603,7 +603,7 @@ def part_gather_kernel(smoke: bool) -> dict:
                     errors[f"{name} L={L} causal={causal}"] = float((out.float() - ref).abs().max() / ref.abs().max())
                 qg, kg, vg = (t.detach().requires_grad_() for t in (qs, ks, vs))
 
-                def work(qg=qg, kg=kg, vg=vg, name=name, causal=causal):
+                def work(qg=qg, kg=kg, vg=vg, name=name, causal=causal, args=args):
                     varlen_attention_qk(qg, kg, vg, *args, causal=causal, backend=name).sum().backward()
 
                 rows.append(
@@ -696,7 +696,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     gk = results.get("8 pre_attn kernel on ring blocks", {})
     if "worst" in gk:
-        lines.append(f"    pre_attn on ring blocks: worst relative error {gk['worst']:.1e} ({', '.join(gk['backends'])})")
+        names = ", ".join(gk["backends"])
+        lines.append(f"    pre_attn on ring blocks: worst relative error {gk['worst']:.1e} ({names})")
         for r in gk["rows"]:
             peak = f", peak {r['peak_gib']:.2f} GiB" if r.get("peak_gib") is not None else ""
             lines.append(

@@ -43,8 +43,9 @@ class BalancerConfig:
     16-rank groups); a group smaller than the world is tiled into replicas."""
     cost: WorkloadModel | str | os.PathLike
     """The planner's cost model, or the path of a calibrated profile (``knapformer calibrate``).
-    For ``auto``, give it ``num_heads`` (and ``num_kv_heads``) so only degrees the heads allow
-    are chosen (without: power-of-two degrees up to 8)."""
+    For ``auto``, give it ``num_heads`` (and ``num_kv_heads``): a degree the heads cannot split
+    then runs as a ring of Ulysses sub-groups whose size they can (without: power-of-two
+    degrees, rings of sub-groups of at most 8 beyond 8)."""
     solver: str | None = None
     """Planner name (``knapformer.plan.SOLVERS``); None = ``lpt`` for bag layouts, ``moldable``
     for ``auto``."""

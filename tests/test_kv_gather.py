@@ -11,7 +11,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from knapformer import BalancerConfig, WorkloadModel
-from knapformer.attention import varlen_attention_qk
+from knapformer.attention import BACKENDS, available_backends, varlen_attention_qk
 from knapformer.distributed.kv_gather import entry_keys
 from knapformer.distributed.spec import build_route_spec
 from knapformer.executor import LocalExecutor, VarlenArgs
@@ -37,12 +37,17 @@ def _explicit(q, k, v, cu_q, cu_k, causal):
     return torch.cat(outs)
 
 
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
-def test_the_kernel_contract_is_bottom_right_causal_over_separate_bounds(causal, kv_heads):
-    """varlen_attention_qk (what pre_attn hands its tensors to): segment i's queries over its
-    own keys, fewer queries than keys (a ring member's block over the sequence's keys), one
-    query, equal lengths; the causal mask aligned to the bottom right; gradients too."""
+def test_the_kernel_contract_is_bottom_right_causal_over_separate_bounds(causal, kv_heads, backend):
+    """varlen_attention_qk (what pre_attn hands its tensors to), every backend that runs here:
+    segment i's queries over its own keys, fewer queries than keys (a ring member's block over
+    the sequence's keys), one query, equal lengths; the causal mask aligned to the bottom
+    right; gradients too."""
+    reason = available_backends(torch.device("cpu"))[backend]
+    if reason:
+        pytest.skip(reason)
     q_lens, k_lens = [3, 1, 5, 4], [7, 9, 5, 4]
     cu_q, cu_k = np.cumsum([0, *q_lens]).tolist(), np.cumsum([0, *k_lens]).tolist()
     g = torch.Generator().manual_seed(3)
@@ -50,7 +55,7 @@ def test_the_kernel_contract_is_bottom_right_causal_over_separate_bounds(causal,
     k = torch.randn(sum(k_lens), kv_heads, 8, dtype=torch.float64, generator=g, requires_grad=True)
     v = torch.randn(sum(k_lens), kv_heads, 6, dtype=torch.float64, generator=g, requires_grad=True)
     args = (torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32), max(q_lens), max(k_lens))
-    out = varlen_attention_qk(q, k, v, *args, causal=causal)
+    out = varlen_attention_qk(q, k, v, *args, causal=causal, backend=backend)
     ref = _explicit(q, k, v, cu_q, cu_k, causal)
     assert (out - ref).abs().max() < 1e-12
     w = torch.randn(out.shape, dtype=torch.float64, generator=g)

@@ -93,20 +93,22 @@ class AttentionCalls:
         return ulysses.post_attn_batches(call, outs, spec, self.group)
 
     @torch.compiler.disable
-    def pre_attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> VarlenArgs:
+    def pre_attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool | None = None) -> VarlenArgs:
         """Routed q (R, h, D), k/v (R, h_kv, ·) -> the arguments of one custom varlen kernel call
         (:class:`~knapformer.executor.VarlenArgs`, flash-attn's order: q, k, v, cu_seqlens_q,
         cu_seqlens_k, max_seqlen_q, max_seqlen_k); :meth:`post_attn` takes the kernel's
         output. Pass the ``causal`` your kernel uses: under a ring plan it shapes the key
-        segments (causal: bottom-right-aligned masks over key prefixes). A rank whose
+        segments (causal: bottom-right-aligned masks over key prefixes); None (the default)
+        takes the cost model's ``causal`` flag. A rank whose
         sequences all have one degree k (every bag layout) gets (A, h/k, ·) with its head
         slice; a rank mixing head slices gets (segment, query head) pairs of one head each.
         Every plan runs here: ring groups gather their keys and values over the ring
         (:mod:`knapformer.distributed.kv_gather`)."""
         _, spec = self._require_spec()
+        causal = bool(self.config.cost.causal) if causal is None else bool(causal)
         call = self._pre(q, k, v, causal=causal)
         if spec.ring_rounds > 1:  # every rank joins the gather, with ring batches or not
-            call = kv_gather.gather_kv(call, spec, self.group, bool(causal))
+            call = kv_gather.gather_kv(call, spec, self.group, causal)
         self._call = call
         return ulysses.flatten_pairs(call)
 

@@ -83,7 +83,7 @@ class LocalExecutor:
             q, k, v, self._cu.to(q.device), max(self.seq_lens, default=0), causal=causal, backend=self.attn_backend
         )
 
-    def pre_attn(self, q, k, v, causal: bool = False) -> VarlenArgs:
+    def pre_attn(self, q, k, v, causal: bool | None = None) -> VarlenArgs:
         """Every sequence is here: the inputs as they are, with their bounds (queries and keys
         share them; ``causal`` changes nothing)."""
         self._raise_pending()
