@@ -16,7 +16,8 @@ the batches so that
 - the batches are a pure function of ``(seed, epoch)`` and the lengths, identical in every
   process (numpy's PCG64 seeded with ``[seed, epoch]``), so ranks need not talk to agree;
 - resuming mid-epoch yields exactly the remaining batches (:meth:`state_dict` /
-  :meth:`load_state_dict`).
+  :meth:`load_state_dict`), and on another number of ranks the remaining *samples*, dealt
+  over the new ranks under the same rules (a restart after a resize loses and repeats none).
 
 What each budget bounds: ``max_tokens`` bounds the tokens a rank *loads* per step (its
 activations before balancing, the data-loader memory); the balancer's ``max_tokens_per_rank``
@@ -167,6 +168,8 @@ class TokenBudgetBatchSampler:
         self._yielded = 0  # steps of the current epoch handed out by the current pass
         self._pass_start = 0  # where the current (or last) pass of self.epoch began
         self._cache: tuple[tuple, list[list[list[int]]]] | None = None
+        self._chain: tuple[tuple[int, int], ...] = ()  # (ranks, steps consumed) of earlier passes
+        self._chain_epoch: int | None = None  # the epoch the chain belongs to
         if self.oversize == "error":  # fail at construction, not in the middle of an epoch
             over = np.flatnonzero(self.lengths > self.max_tokens)
             if over.size:
@@ -175,33 +178,48 @@ class TokenBudgetBatchSampler:
     # -- the epoch's batches ------------------------------------------------------------------------------
     def steps(self, epoch: int | None = None) -> list[list[list[int]]]:
         """Every step of ``epoch`` (default: the current one): ``steps[s][r]`` is rank r's batch
-        of step s (a list of sample indices, possibly empty)."""
+        of step s (a list of sample indices, possibly empty). For an epoch resumed on another
+        number of ranks (:meth:`load_state_dict`): the steps of the samples it had not consumed."""
         epoch = self.epoch if epoch is None else int(epoch)
         if epoch < 0:
             raise ValueError(f"epoch must be >= 0, got {epoch}")
+        chain = self._chain if epoch == self._chain_epoch else ()
         key = (epoch, self.max_tokens, self.max_samples, self.num_replicas, self.shuffle, self.drop_last, self.oversize)
+        key += (chain,)
         if self._cache is not None and self._cache[0] == key:
             return self._cache[1]
+        remaining = None
+        for world, done in chain:  # earlier passes of this epoch on other numbers of ranks
+            earlier = self._build(epoch, world, remaining)
+            remaining = np.ones(self.lengths.size, dtype=bool) if remaining is None else remaining.copy()
+            used = [i for step in earlier[:done] for batch in step for i in batch]
+            remaining[np.asarray(used, dtype=np.int64)] = False
+        steps = self._build(epoch, self.num_replicas, remaining)
+        self._cache = (key, steps)
+        return steps
+
+    def _build(self, epoch: int, world: int, remaining: np.ndarray | None) -> list[list[list[int]]]:
+        """The steps of ``epoch`` on ``world`` ranks over the samples ``remaining`` marks (None:
+        all): drawn, packed per bucket, interleaved and dealt from ``[seed, epoch]`` alone."""
         rng = np.random.default_rng([self.seed, epoch])
         n = self.lengths.size
         order = rng.permutation(n) if self.shuffle else np.arange(n)
+        if remaining is not None:  # the draw order of what is left
+            order = order[remaining[order]]
         batches: list[list[int]] = []
         # one bucket at a time (bucket ids in order of first appearance), each in draw order
         by_bucket = order[np.argsort(self.bucket_ids[order], kind="stable")]
         cuts = np.flatnonzero(np.diff(self.bucket_ids[by_bucket])) + 1
-        for mine in np.split(by_bucket, cuts) if n else []:
+        for mine in np.split(by_bucket, cuts) if order.size else []:
             batches += pack_batches(
                 mine, self.lengths, self.max_tokens, max_samples=self.max_samples, oversize=self.oversize
             )
         if self.shuffle and batches:  # interleave the buckets
             batches = [batches[i] for i in rng.permutation(len(batches))]
-        steps = self._deal(batches)
-        self._cache = (key, steps)
-        return steps
+        return self._deal(batches, world)
 
-    def _deal(self, batches: list[list[int]]) -> list[list[list[int]]]:
-        """Batches -> steps of ``num_replicas`` batches each (see the module docstring)."""
-        w = self.num_replicas
+    def _deal(self, batches: list[list[int]], w: int) -> list[list[list[int]]]:
+        """Batches -> steps of ``w`` batches each (see the module docstring)."""
         full, rest = divmod(len(batches), w)
         if self.drop_last or rest == 0:
             return [batches[s * w : (s + 1) * w] for s in range(full)]
@@ -240,6 +258,13 @@ class TokenBudgetBatchSampler:
             return len(self.steps()) - self._start
         return len(self.steps()) - self._pass_start
 
+    @property
+    def pass_start(self) -> int:
+        """The step of :meth:`steps` the next (or current) pass begins at: 0, or where a resume
+        left off — add the steps your loop consumed to it for :meth:`state_dict`'s
+        ``steps_done``."""
+        return self._start if self._resumed_epoch == self.epoch else self._pass_start
+
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch``'s batches from the next pass on (as ``DistributedSampler.set_epoch``).
         A resumed position (:meth:`load_state_dict`) holds for its own epoch only."""
@@ -253,45 +278,91 @@ class TokenBudgetBatchSampler:
 
     # -- resuming -------------------------------------------------------------------------------------------
     def state_dict(self, steps_done: int | None = None) -> dict[str, Any]:
-        """What :meth:`load_state_dict` needs to continue this epoch after ``steps_done`` steps.
-        Pass the steps your loop *consumed*: a ``DataLoader`` with workers draws batches ahead
-        of the loop (``prefetch_factor × num_workers``), so the default — the batches this
-        sampler has handed out in the current pass — is right only without workers."""
+        """What :meth:`load_state_dict` needs to continue this epoch after ``steps_done`` steps:
+        a few numbers (the epoch, the steps consumed, the number of ranks, and for an epoch
+        already resumed on another number of ranks the (ranks, steps) of its earlier passes),
+        never the sample indices. Pass the steps your loop *consumed*: a ``DataLoader`` with
+        workers draws batches ahead of the loop (``prefetch_factor × num_workers``), so the
+        default — the batches this sampler has handed out in the current pass, counted from
+        :attr:`pass_start` — is right only without workers (with them: ``pass_start`` + the
+        batches consumed)."""
         if steps_done is None:
             steps_done = self._yielded
         if isinstance(steps_done, bool) or not isinstance(steps_done, (int, np.integer)):
             raise ValueError(f"steps_done must be an int, got {steps_done!r}")
         if not 0 <= steps_done <= len(self.steps()):
             raise ValueError(f"steps_done must be in [0, {len(self.steps())}] for epoch {self.epoch}, got {steps_done}")
+        chain = self._chain if self._chain_epoch == self.epoch else ()
         return {
             "epoch": self.epoch,
             "steps_done": int(steps_done),
             "seed": self.seed,
+            "num_replicas": self.num_replicas,
+            "resumed_from": [list(c) for c in chain],
             "fingerprint": self._fingerprint(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from :meth:`state_dict`: the next pass yields the remaining steps of its
-        epoch. Raises if the lengths, budget or world changed (the batches would differ)."""
-        if state.get("fingerprint") != self._fingerprint() or state.get("seed") != self.seed:
+        """Continue from :meth:`state_dict`: the next pass yields the rest of its epoch. Saved
+        with the same number of ranks: exactly the remaining steps. Saved with another number
+        (a job restarted after a resize): the samples that epoch had not consumed, packed under
+        the same budget and buckets and dealt over this sampler's ranks (a pure function of the
+        state, the same in every process), so that over the interrupted epoch every sample is
+        seen exactly once (at most once with ``drop_last``); later epochs are whole as usual.
+        Raises if the lengths, budget, buckets or seed changed (the batches would differ)."""
+        if not isinstance(state, dict):
+            raise ValueError(f"a sampler state is a dict, got {type(state).__name__}")
+        world = state.get("num_replicas")
+        if world is None:  # saved before resizes were possible: its fingerprint holds the world
+            same = state.get("fingerprint") == self._fingerprint(self.num_replicas)
+            world = self.num_replicas
+        else:
+            same = state.get("fingerprint") == self._fingerprint()
+        if not same or state.get("seed") != self.seed:
             raise ValueError(
-                "this state was saved by a sampler with other lengths, budget, buckets, seed or number "
-                "of ranks: its remaining batches do not exist here"
+                "this state was saved by a sampler with other lengths, budget, buckets or seed"
+                + ("" if state.get("num_replicas") is not None else " or number of ranks")
+                + ": its remaining batches do not exist here"
             )
-        self.set_epoch(state["epoch"])
-        steps_done = int(state["steps_done"])
-        if not 0 <= steps_done <= len(self.steps()):
-            raise ValueError(f"steps_done {steps_done} is outside epoch {self.epoch}'s {len(self.steps())} steps")
+        if isinstance(world, bool) or not isinstance(world, (int, np.integer)) or world < 1:
+            raise ValueError(f"num_replicas in the state must be a positive int, got {world!r}")
+        try:
+            chain = tuple((int(w), int(d)) for w, d in state.get("resumed_from", []))
+            epoch, steps_done = int(state["epoch"]), int(state["steps_done"])
+        except (TypeError, ValueError, KeyError) as exc:
+            raise ValueError(f"malformed sampler state: {exc}") from None
+        self.set_epoch(epoch)
+        self._chain, self._chain_epoch = chain, epoch
+        saved_steps = len(self._steps_on(int(world)))
+        if not 0 <= steps_done <= saved_steps:
+            raise ValueError(f"steps_done {steps_done} is outside epoch {epoch}'s {saved_steps} steps")
+        if int(world) != self.num_replicas:  # resized: deal what is left over this many ranks
+            self._chain = chain + ((int(world), steps_done),)
+            steps_done = 0
         self._start, self._resumed_epoch = steps_done, self.epoch
         self._yielded = steps_done  # a checkpoint taken before iterating keeps the position
 
-    def _fingerprint(self) -> str:
+    def _steps_on(self, world: int) -> list[list[list[int]]]:
+        """This epoch's steps (its chain applied) as a sampler of ``world`` ranks would deal them."""
+        if world == self.num_replicas:
+            return self.steps()
+        mine, self.num_replicas = self.num_replicas, world
+        try:
+            return self.steps()
+        finally:
+            self.num_replicas = mine
+
+    def _fingerprint(self, world: int | None = None) -> str:
+        """The batches' inputs; with ``world``, also the number of ranks (the old format)."""
         import hashlib
 
         h = hashlib.sha256()
         for arr in (self.lengths, self.bucket_ids):
             h.update(np.ascontiguousarray(arr).tobytes())
-        h.update(repr((self.max_tokens, self.max_samples, self.num_replicas, self.shuffle, self.drop_last)).encode())
+        if world is None:
+            h.update(repr((self.max_tokens, self.max_samples, self.shuffle, self.drop_last)).encode())
+        else:
+            h.update(repr((self.max_tokens, self.max_samples, world, self.shuffle, self.drop_last)).encode())
         h.update(self.oversize.encode())
         return h.hexdigest()[:16]
 
