@@ -42,15 +42,15 @@ def _worker(rank: int, world: int, reps: int, top: int) -> dict:
     serial = {"on": False}
     exchange = ops._exchange
 
-    def handshake_exchange(x, send, recv, group):
+    def handshake_exchange(x, send, recv, group, **kw):
         # rank 0 finishes its segment, then releases rank 1 (barrier) and waits in the exchange
         # while rank 1 computes the same segment; rank 1 waits for the next release afterwards
         if not serial["on"]:
-            return exchange(x, send, recv, group)
+            return exchange(x, send, recv, group, **kw)
         if rank == 0:
             dist.barrier()
-            return exchange(x, send, recv, group)
-        out = exchange(x, send, recv, group)
+            return exchange(x, send, recv, group, **kw)
+        out = exchange(x, send, recv, group, **kw)
         dist.barrier()
         return out
 

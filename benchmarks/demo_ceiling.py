@@ -45,9 +45,9 @@ def _worker(rank: int, world: int, reps: int) -> dict:
     real_exchange = ops._exchange
     mode_now = {"m": "balanced"}
 
-    def exchange(x, send, recv, group):
+    def exchange(x, send, recv, group, **kw):
         if mode_now["m"] == "balanced":
-            return real_exchange(x, send, recv, group)
+            return real_exchange(x, send, recv, group, **kw)
         if mode_now["m"] == "no transfer":
             dist.barrier(group=group)
         return x.new_zeros((sum(recv), *x.shape[1:]))

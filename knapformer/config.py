@@ -69,6 +69,14 @@ class BalancerConfig:
     attn_backend: str = "auto"
     """Varlen attention kernel: ``auto`` (flash-attn on CUDA when importable, else SDPA) or a name
     of ``knapformer.attention.BACKENDS`` (``sdpa``, ``sdpa_mask``, ``flash``)."""
+    collective_timeout_s: float = 300.0
+    """The longest a knapformer exchange waits for the other ranks of its group (the
+    balancer's own process groups are created with it). A rank that died or stopped answering
+    makes every surviving rank raise :class:`~knapformer.errors.PeerLostError` naming the
+    phase within this bound (a dead process is usually seen at once: its connections close).
+    Set it above the longest time one rank may legitimately run ahead of the others between
+    two exchanges (a checkpoint written on one rank, an evaluation pass, a slow first
+    compilation)."""
     debug: bool = False
     """Expensive checks: every per-layer call agrees on its shapes across ranks (a host sync
     per layer). Off, errors are still raised on every rank at the per-step agreement points."""
@@ -137,6 +145,9 @@ class BalancerConfig:
         w = self.recalibrate_warmup
         if isinstance(w, bool) or not isinstance(w, int) or w < 0:
             raise ValueError(f"BalancerConfig.recalibrate_warmup must be an int >= 0, got {w!r}")
+        t = self.collective_timeout_s
+        if isinstance(t, bool) or not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
+            raise ValueError(f"BalancerConfig.collective_timeout_s must be a finite number > 0, got {t!r}")
         if self.time_budget_s is not None:
             if not info.takes_time_budget:
                 raise ValueError(f"solver {self.solver!r} takes no time budget; drop time_budget_s")

@@ -8,7 +8,14 @@ from __future__ import annotations
 
 from knapformer.plan.validate import InvalidPlanError
 
-__all__ = ["BalancerConfigError", "BalancerInputError", "DivergentCallError", "InvalidPlanError", "PlanMismatchError"]
+__all__ = [
+    "BalancerConfigError",
+    "BalancerInputError",
+    "DivergentCallError",
+    "InvalidPlanError",
+    "PeerLostError",
+    "PlanMismatchError",
+]
 
 
 class BalancerInputError(ValueError):
@@ -30,3 +37,12 @@ class DivergentCallError(BalancerInputError):
     """Ranks reached different exchanges (a layer skipped on some ranks, a data-dependent
     branch, a different number of ``plan`` calls): detected before data moves, with every
     rank's call named."""
+
+
+class PeerLostError(RuntimeError):
+    """A knapformer exchange could not complete: a rank of the balancing group died (its
+    process is gone) or did not answer within ``BalancerConfig.collective_timeout_s``. Raised
+    on every surviving rank that waits on it, naming the phase (``plan``, ``route``, a layer's
+    ``pre_attn`` …) and, when they run on this host, the ranks whose processes are gone. The
+    job cannot go on with this group: exit, and let the launcher restart it (``torchrun
+    --max-restarts``) from the last checkpoint."""

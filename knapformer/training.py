@@ -57,7 +57,7 @@ def global_mean_loss(
         raise ValueError("local_sum must be a one-element tensor (this rank's summed loss)")
     group = dist.group.WORLD if group is None else group
     count = torch.as_tensor(local_count, dtype=torch.float64).reshape(1).to(_count_device(group))
-    lifetime.collective(lambda: dist.all_reduce(count, group=group), (count,))
+    lifetime.collective(lambda: dist.all_reduce(count, group=group), (count,), "global_mean_loss", group)
     total = float(count.item())
     if total <= 0:
         raise ValueError(f"the group holds {total:g} tokens in all: nothing to average over")
@@ -79,6 +79,6 @@ def sum_gradients(
             by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
     for grads in by_dtype.values():
         flat = torch.cat([g.reshape(-1) for g in grads])
-        lifetime.collective(lambda flat=flat: dist.all_reduce(flat, group=group), (flat,))
+        lifetime.collective(lambda flat=flat: dist.all_reduce(flat, group=group), (flat,), "sum_gradients", group)
         for g, part in zip(grads, torch.split(flat, [g.numel() for g in grads])):
             g.copy_(part.view_as(g))

@@ -132,3 +132,40 @@ def test_degenerate_timings_keep_predictions_in_seconds():
     mean_pred = np.mean([_predict(model, f).mean() for f in feats])
     measured = np.mean([(0.1 - 2e-5 * f.tokens).mean() for f in feats])
     assert 0.1 < mean_pred / measured < 10  # seconds, the right order of magnitude
+
+
+def _loop(ranks: int, *, estimate_speed: bool):
+    from knapformer.distributed.closed_loop import ClosedLoop
+
+    cfg = BalancerConfig(layout=f"auto:n{ranks}", cost=_prior(), recalibrate=True, estimate_speed=estimate_speed)
+    return ClosedLoop(cfg)
+
+
+@pytest.mark.parametrize("estimate_speed", [False, True])
+def test_a_loop_state_moves_to_other_numbers_of_ranks(estimate_speed, caplog):
+    """A closed loop's state saved on 4 ranks (a slow rank estimated), loaded on 2, saved again
+    and loaded on 3: the fitted cost model is kept each time, the per-rank speeds are dropped
+    (rank r after a resize is another GPU; all equal then), the timed-step history is kept unless
+    it estimates speeds, a warning names what was dropped — and the loop goes on fitting."""
+    speed = np.array([1.0, 1.0, 0.5, 1.0])
+    four = _loop(4, estimate_speed=estimate_speed)
+    for f in _steps(8, ranks=4):
+        four.fit.add(Observation(f, _seconds(f, speed)))
+        four._recalibrate()
+    state4 = four.state_dict()
+    assert (state4["rank_speed"] is not None) == estimate_speed
+    two = _loop(2, estimate_speed=estimate_speed)
+    with caplog.at_level("WARNING", logger="knapformer"):
+        two.load_state_dict(state4, 4)
+    assert two.planning.cost == four.planning.cost and two.planning.rank_speed is None
+    assert len(two.fit.history) == (0 if estimate_speed else len(four.fit.history))
+    assert ("dropped its rank speeds" in caplog.text) == estimate_speed
+    for f in _steps(3, ranks=2, seed=5):  # the loop goes on: steps of 2 ranks fit
+        two.fit.add(Observation(f, _seconds(f)))
+        two._recalibrate()
+    three = _loop(3, estimate_speed=estimate_speed)
+    three.load_state_dict(two.state_dict(), 2)
+    assert three.planning.cost == two.planning.cost and three.planning.rank_speed is None
+    same = _loop(4, estimate_speed=estimate_speed)
+    same.load_state_dict(state4, 4)  # the same number of ranks: speeds kept
+    assert same.planning.rank_speed == four.planning.rank_speed

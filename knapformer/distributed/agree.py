@@ -108,7 +108,8 @@ def agree(group, call: Call, error: str = "", *, plan: int = 0, control=None, wh
     row = _row(call, error, plan)
     device = group_device(control)
     t = torch.tensor(row, dtype=torch.int64, device=device)
-    lifetime.collective(lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control), (t,))
+    phase = call.op if call.op in ("plan", "use_plan") else f"{call.op} (its agreement)"
+    lifetime.collective(lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control), (t,), phase, control)
     m = t.cpu().tolist()
     if m[0] == 0 and all(m[i] == -m[i + 1] for i in range(1, len(m), 2)):
         return
@@ -122,13 +123,13 @@ def gather_text(control, text: str) -> list[str]:
     data = torch.tensor(list(text.encode()), dtype=torch.uint8)
     n = torch.tensor([data.numel()], dtype=torch.int64, device=device)
     lens = [torch.empty_like(n) for _ in range(size)]
-    lifetime.collective(lambda: dist.all_gather(lens, n, group=control), (n, *lens))
+    lifetime.collective(lambda: dist.all_gather(lens, n, group=control), (n, *lens), "error report", control)
     width = max(int(x) for x in lens)
     buf = torch.zeros(max(width, 1), dtype=torch.uint8)
     buf[: data.numel()] = data
     buf = buf.to(device)
     parts = [torch.empty_like(buf) for _ in range(size)]
-    lifetime.collective(lambda: dist.all_gather(parts, buf, group=control), (buf, *parts))
+    lifetime.collective(lambda: dist.all_gather(parts, buf, group=control), (buf, *parts), "error report", control)
     return [bytes(p[: int(k)].cpu().tolist()).decode() for p, k in zip(parts, lens)]
 
 

@@ -180,7 +180,7 @@ class SequenceBalancer(AttentionCalls):
         # the previous step's measured seconds ride on the gather of the lengths' counts
         head = torch.tensor([len(lens), self._loop.seconds_bits()], dtype=torch.int64, device=device)
         heads = [torch.empty_like(head) for _ in range(S)]
-        lifetime.collective(lambda: dist.all_gather(heads, head, group=self.group), (head, *heads))
+        lifetime.collective(lambda: dist.all_gather(heads, head, group=self.group), (head, *heads), "plan", self.group)
         heads_t = torch.stack(heads).cpu()
         self._loop.finish_step(self._loop.measured(heads_t[:, 1]))  # the previous step's telemetry
         counts = heads_t[:, 0].tolist()
@@ -188,7 +188,9 @@ class SequenceBalancer(AttentionCalls):
         if lens:
             padded[: len(lens)] = torch.tensor(lens, dtype=torch.int64)
         gathered = [torch.empty_like(padded) for _ in range(S)]
-        lifetime.collective(lambda: dist.all_gather(gathered, padded, group=self.group), (padded, *gathered))
+        lifetime.collective(
+            lambda: dist.all_gather(gathered, padded, group=self.group), (padded, *gathered), "plan", self.group
+        )
         all_lens = ValidLens(tuple(g[:c].tolist()) for g, c in zip(torch.stack(gathered).cpu(), counts))
         cfg = self._loop.planning
         problem = PlanProblem(  # lengths were validated on their own ranks and agreed above
@@ -287,7 +289,7 @@ class SequenceBalancer(AttentionCalls):
         self._checks.agree("flush")
         t = torch.tensor([self._loop.seconds_bits()], dtype=torch.int64, device=group_device(self.group))
         rows = [torch.empty_like(t) for _ in range(dist.get_world_size(self.group))]
-        lifetime.collective(lambda: dist.all_gather(rows, t, group=self.group), (t, *rows))
+        lifetime.collective(lambda: dist.all_gather(rows, t, group=self.group), (t, *rows), "flush", self.group)
         self._loop.finish_step(self._loop.measured(torch.cat(rows).cpu()))
         return self.last_step
 
@@ -299,24 +301,35 @@ class SequenceBalancer(AttentionCalls):
         the last step's telemetry first (:meth:`flush`), so the state is the same on every rank
         — save it from any one of them. Plain data (JSON-serialisable)."""
         self.flush()
-        return {"version": STATE_VERSION, "step": self.num_plans, "closed_loop": self._loop.state_dict()}
+        return {
+            "version": STATE_VERSION,
+            "step": self.num_plans,
+            "group_size": self.layout.group_size,
+            "closed_loop": self._loop.state_dict(),
+        }
 
     @torch.compiler.disable
     def load_state_dict(self, state: dict) -> None:
         """Continue from :meth:`state_dict` of another balancer (e.g. before a restart).
         Collective: every rank must load the same state (agreed; a rank that loaded another one,
-        or a malformed state, raises on every rank)."""
+        or a malformed state, raises on every rank). Saved on another number of ranks (a job
+        resumed after a resize): the fitted cost model is kept, the saved per-rank speeds are
+        dropped (this balancer's ``rank_speed`` setting plans instead), see
+        :meth:`ClosedLoop.load_state_dict <knapformer.distributed.closed_loop.ClosedLoop.load_state_dict>`."""
         import json
 
         error = ""
         try:
             if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
                 raise ValueError(f"not a SequenceBalancer state of version {STATE_VERSION}")
+            saved = state.get("group_size")
+            if saved is not None and (isinstance(saved, bool) or not isinstance(saved, int) or saved < 1):
+                raise ValueError(f"group_size must be a positive int, got {saved!r}")
             digest = json.dumps(state, sort_keys=True)
         except (TypeError, ValueError) as exc:
             error, digest = f"load_state_dict: {exc}", "?"
         self._checks.agree("load_state_dict", error, (("state", str(digest62(digest))),))
-        self._loop.load_state_dict(state["closed_loop"])
+        self._loop.load_state_dict(state["closed_loop"], state.get("group_size"))
         self._checks.step = int(state["step"])
 
     # -- errors ----------------------------------------------------------------------------------

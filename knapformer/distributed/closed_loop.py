@@ -12,6 +12,7 @@ the planner reads, the user's config is never rewritten. Every completed step be
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 
 import numpy as np
@@ -29,6 +30,8 @@ from knapformer.workload import WorkloadModel
 
 __all__ = ["ClosedLoop"]
 
+_log = logging.getLogger("knapformer")
+
 
 class ClosedLoop:
     """Timing, online recalibration and telemetry of one balancer (module docstring)."""
@@ -36,6 +39,7 @@ class ClosedLoop:
     def __init__(self, config: BalancerConfig) -> None:
         self.planning = config
         """The settings the next plan uses (the user's, with the fitted cost model and speeds)."""
+        self._own_speed = config.rank_speed  # the user's setting, what a resize falls back to
         self.timer = StepTimer() if config.measure else None
         self.fit = (
             OnlineFit(
@@ -165,15 +169,36 @@ class ClosedLoop:
             "fit": fit,
         }
 
-    def load_state_dict(self, state: dict) -> None:
-        """Plan the next steps as the saved loop would have (see :meth:`state_dict`)."""
+    def load_state_dict(self, state: dict, saved_ranks: int | None = None) -> None:
+        """Plan the next steps as the saved loop would have (see :meth:`state_dict`).
+
+        ``saved_ranks``: the balancing group the state was saved from. On another number of
+        ranks (a job resumed after a resize) the fitted cost model and links are kept, the
+        saved per-rank speeds are dropped — rank r after a resize need not be the GPU it was —
+        so the plans use this balancer's own ``rank_speed`` setting (re-estimated from the new
+        steps with ``estimate_speed``), and the fit's history of timed steps is kept unless it
+        estimates speeds (its rows are tied to the old ranks); a warning says what was dropped."""
         cost = WorkloadModel.from_dict(state["cost"])
         speed = tuple(state["rank_speed"]) if state.get("rank_speed") is not None else None
         link = LinkModel(**state["link"]) if state.get("link") is not None else None
-        if speed is not None and len(speed) != self.planning.layout.group_size:
-            raise ValueError(
-                f"the saved state has {len(speed)} rank speeds, this balancer's group {self.planning.layout.group_size}"
-            )
+        size = self.planning.layout.group_size
+        if saved_ranks is None:  # states saved before resizes were possible
+            saved_ranks = len(speed) if speed is not None else size
+        resized = saved_ranks != size
+        if resized:
+            dropped = ["its rank speeds"] if speed is not None else []
+            speed = self._own_speed
+            if self.fit is not None and self.fit.estimate_speed and state.get("fit"):
+                dropped.append("its timed-step history (it estimates per-rank speeds)")
+                state = {**state, "fit": None}
+            if dropped:
+                _log.warning(
+                    "knapformer: a balancer state saved on %d ranks loaded on %d: kept the fitted cost model, "
+                    "dropped %s",
+                    saved_ranks,
+                    size,
+                    " and ".join(dropped),
+                )
         self.planning = dataclasses.replace(self.planning, cost=cost, rank_speed=speed, link=link)
         saved = state.get("fit")
         if self.fit is not None and saved is not None:

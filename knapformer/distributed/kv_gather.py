@@ -118,14 +118,14 @@ class _GatherKV(torch.autograd.Function):
     def forward(ctx, send_split: list[int], recv_split: list[int], group, send):  # type: ignore[override]
         ctx.splits = (send_split, recv_split, group)
         with trace.span(f"{trace.EXCHANGE}.kv_gather"):
-            recv = exchange(send, send_split, recv_split, group)
+            recv = exchange(send, send_split, recv_split, group, "kv_gather")
         return recv, send.new_empty(0)
 
     @staticmethod
     def backward(ctx, grad_recv, grad_token):  # type: ignore[override]
         send_split, recv_split, group = ctx.splits
         with trace.span(f"{trace.EXCHANGE}.kv_gather.backward"):
-            grad = exchange(grad_recv, recv_split, send_split, group)
+            grad = exchange(grad_recv, recv_split, send_split, group, "kv_gather backward")
         return None, None, None, grad
 
 

@@ -29,20 +29,98 @@ import os
 import time
 from collections.abc import Callable, Sequence
 
-__all__ = ["collective", "gloo_workers_busy", "wait_idle"]
+from knapformer.errors import PeerLostError
+
+__all__ = ["collective", "gloo_workers_busy", "register_peers", "wait", "wait_idle"]
 
 _log = logging.getLogger("knapformer")
 _registered = False
 _WORKER = "pt_gloo_runloop"
 
 
-def collective(fn: Callable[[], object], tensors: Sequence = ()):
-    """Run the collective ``fn`` (over ``tensors``), with the exit hook in place."""
+def collective(fn: Callable[[], object], tensors: Sequence = (), phase: str = "exchange", group=None):
+    """Run the collective ``fn`` (over ``tensors``), with the exit hook in place. A failure
+    that says a peer is gone or timed out becomes :class:`~knapformer.errors.PeerLostError`
+    naming ``phase`` (and, from ``group``'s :func:`register_peers`, the dead ranks)."""
     global _registered
     if not _registered:
         atexit.register(wait_idle)
         _registered = True
-    return fn()
+    try:
+        return fn()
+    except RuntimeError as exc:
+        raise _classified(exc, phase, group) from exc
+
+
+def wait(work, phase: str, group=None) -> None:
+    """``work.wait()`` of an asynchronous collective, its failures classified as :func:`collective`'s."""
+    try:
+        work.wait()
+    except RuntimeError as exc:
+        raise _classified(exc, phase, group) from exc
+
+
+# -- a lost peer ---------------------------------------------------------------------------------
+_peers: dict[int, tuple] = {}
+"""id(process group) -> (the group, global ranks, hosts, pids, timeout seconds)."""
+_LOST = ("closed by peer", "reset by peer", "timed out", "timeout", "broken pipe", "connection refused", "aborted")
+
+
+def register_peers(group, ranks: Sequence[int], hosts: Sequence[str], pids: Sequence[int], timeout_s: float) -> None:
+    """Who the members of ``group`` are (global rank, host, process id), for naming the dead
+    one when an exchange fails."""
+    _peers[id(group)] = (group, tuple(ranks), tuple(hosts), tuple(pids), float(timeout_s))
+
+
+def _gone(pid: int) -> bool:
+    """The process is gone (or a zombie: killed, not yet reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return False
+
+
+def _classified(exc: RuntimeError, phase: str, group) -> RuntimeError:
+    if isinstance(exc, PeerLostError):
+        return exc
+    import socket
+
+    info = _peers.get(id(group)) if group is not None else None
+    if info is not None and info[0] is not group:
+        info = None
+    host = socket.gethostname()
+    text = str(exc)
+    lost = type(exc).__name__ == "DistBackendError" or any(w in text.lower() for w in _LOST)
+    dead: list[int] = []
+    local = [(r, pid) for r, h, pid in zip(info[1], info[2], info[3]) if h == host] if info is not None else []
+    deadline = time.monotonic() + (1.0 if lost else 0.0)
+    while True:  # a killed peer's sockets close a moment before its process is gone: look for a second
+        dead = [r for r, pid in local if pid != os.getpid() and _gone(pid)]
+        if dead or time.monotonic() >= deadline:
+            break
+        time.sleep(0.02)
+    if not (lost or dead):
+        return exc  # not about a peer: the error as it is
+    import torch.distributed as dist
+
+    me = dist.get_rank() if dist.is_initialized() else "?"
+    if dead:
+        who = f"rank(s) {dead} of the balancing group died (process gone)"
+    else:
+        bound = f"collective_timeout_s={info[4]:g}" if info is not None else "the group's timeout"
+        who = f"a peer of the balancing group is gone or did not answer within {bound}"
+    first = text.strip().splitlines()[0][:200] if text.strip() else type(exc).__name__
+    return PeerLostError(
+        f"SequenceBalancer: the {phase} exchange failed on rank {me}: {who}; this group cannot go on — "
+        f"exit and restart from the last checkpoint (torchrun --max-restarts) [{first}]"
+    )
 
 
 def gloo_workers_busy() -> int | None:

@@ -43,28 +43,31 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group, name: str) -> torch.Tensor:  # type: ignore[override]
         ctx.splits = (send, recv, group, name)
         with trace.span(f"{trace.EXCHANGE}.{name}"):
-            return _exchange(x, send, recv, group)
+            return _exchange(x, send, recv, group, phase=name)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         send, recv, group, name = ctx.splits
         with trace.span(f"{trace.EXCHANGE}.{name}.backward"):
-            return _exchange(grad, recv, send, group), None, None, None, None
+            return _exchange(grad, recv, send, group, phase=f"{name} backward"), None, None, None, None
 
 
-def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group, phase: str = "all_to_all") -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty((sum(recv), *x.shape[1:]))
     lifetime.collective(
-        lambda: dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=group), (out, x)
+        lambda: dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=group),
+        (out, x),
+        phase,
+        group,
     )
     return out
 
 
-def exchange(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+def exchange(x: torch.Tensor, send: list[int], recv: list[int], group, phase: str = "all_to_all") -> torch.Tensor:
     """One uneven ``all_to_all_single`` along dim 0, not differentiable: for the autograd
     functions of other modules that pair it with their own backward."""
-    return _exchange(x, send, recv, group)
+    return _exchange(x, send, recv, group, phase=phase)
 
 
 def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group=None, name: str = "all_to_all") -> torch.Tensor:

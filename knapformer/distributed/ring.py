@@ -175,6 +175,7 @@ class _Exchange:
         reverse: bool = False,
     ):
         sends, recvs = sched.sends[j - 1], sched.recvs[j - 1]
+        self.phase = f"ring round {j}" + (" (dK/dV back)" if reverse else "")
         # reverse: gradients go back to the block owners (what was received is sent, and vice versa)
         out_parts = [(i, peer) for i, peer, _ in recvs] if reverse else list(sends)
         in_parts = [(i, peer, sub) for i, peer in sends for sub in [sched.batches[i].pos]] if reverse else list(recvs)
@@ -199,12 +200,15 @@ class _Exchange:
                 async_op=True,
             ),
             (self.recv, self.send),
+            self.phase,
+            group,
         )
+        self.group = group
         self.in_parts = in_parts
 
     def wait(self) -> list[tuple[int, int, torch.Tensor]]:
         """(batch, source sub-group, flat block) of every received block."""
-        self.work.wait()
+        lifetime.wait(self.work, self.phase, self.group)
         out, off = [], 0
         for (i, _, sub), (_, n) in zip(self.in_parts, self.pieces):
             out.append((i, sub, self.recv[off : off + n]))

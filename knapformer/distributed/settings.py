@@ -81,7 +81,7 @@ def agree_settings(config: BalancerConfig | None, local_error: str, asked) -> No
     mine = [1 if local_error else 0, *digests, digest62(repr(asked))]
     t = torch.tensor(mine, dtype=torch.int64, device=group_device(world))
     rows = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    lifetime.collective(lambda: dist.all_gather(rows, t), (t, *rows))
+    lifetime.collective(lambda: dist.all_gather(rows, t), (t, *rows), "construction")
     table = torch.stack(rows).cpu().tolist()
     me = dist.get_rank()
     bad = [r for r, row in enumerate(table) if row[0]]
@@ -124,30 +124,64 @@ def _check_asked(asked_by_rank: list, size: int) -> None:
 
 
 def resolve_groups(config: BalancerConfig, group, asked) -> Groups:
-    """Steps 2 and 3 (module docstring); ``config`` is already resolved to its group size."""
+    """Steps 2 and 3 (module docstring); ``config`` is already resolved to its group size. The
+    balancer runs on process groups of its own, over the same ranks as the group it serves,
+    created with ``collective_timeout_s`` (and cached: balancers with the same ranks, backend
+    and timeout share them), so that no knapformer exchange waits longer for a lost peer."""
     size = config.layout.group_size
     if asked is None:
-        replicas = [tuple(r) for r in config.layout.replica_ranks(dist.get_world_size())]
-        if len(replicas) == 1:
-            mine = dist.group.WORLD
-        else:
-            mine = None
-            for ranks in replicas:  # every rank creates every replica's group, in the same order
-                g = dist.new_group(list(ranks))
-                if dist.get_rank() in ranks:
-                    mine = g
-        groups = replicas
+        groups = [tuple(r) for r in config.layout.replica_ranks(dist.get_world_size())]
+        backend = dist.get_backend()
     else:
         asked_by_rank: list = [None] * dist.get_world_size()
         dist.all_gather_object(asked_by_rank, list(asked))
         _check_asked(asked_by_rank, size)
-        mine = group
         groups = sorted({tuple(r) for r in asked_by_rank})
-    if dist.get_backend(mine) != "nccl":
-        return Groups(mine, mine)
-    control = None
-    for ranks in groups:  # gloo twins of every balancing group, created in the same order everywhere
-        g = dist.new_group(list(ranks), backend="gloo")
-        if dist.get_rank() in ranks:
-            control = g
-    return Groups(mine, control)
+        backend = dist.get_backend(group)
+    me = dist.get_rank()
+    timeout = config.collective_timeout_s
+    mine = None
+    for ranks in groups:  # every rank creates every group, in the same order
+        g = _timed_group(ranks, backend, timeout)
+        if me in ranks:
+            mine = g
+    if backend != "nccl":
+        out = Groups(mine, mine)
+    else:
+        control = None
+        for ranks in groups:  # gloo twins of every balancing group, created in the same order everywhere
+            g = _timed_group(ranks, "gloo", timeout)
+            if me in ranks:
+                control = g
+        out = Groups(mine, control)
+    _register(out, next(r for r in groups if me in r), timeout)
+    return out
+
+
+_GROUPS: dict = {}
+"""The balancer's process groups: (ranks, backend, timeout) -> group, for the current world."""
+
+
+def _timed_group(ranks: tuple[int, ...], backend: str, timeout: float):
+    import datetime
+
+    if _GROUPS.get("world") is not dist.group.WORLD:  # a new world (after destroy_process_group)
+        _GROUPS.clear()
+        _GROUPS["world"] = dist.group.WORLD
+    key = (tuple(ranks), backend, float(timeout))
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout), backend=backend)
+    return _GROUPS[key]
+
+
+def _register(groups: Groups, ranks: tuple[int, ...], timeout: float) -> None:
+    """Tell :mod:`.lifetime` who the members are (host, process id), to name a dead one."""
+    import json
+    import os
+    import socket
+
+    mine = json.dumps([socket.gethostname(), os.getpid()])
+    table = [json.loads(t) for t in gather_text(groups.control, mine)]
+    hosts, pids = [h for h, _ in table], [p for _, p in table]
+    for g in {id(groups.group): groups.group, id(groups.control): groups.control}.values():
+        lifetime.register_peers(g, ranks, hosts, pids, timeout)

@@ -107,7 +107,11 @@ class OnlineFit:
         return len(self.history)
 
     def _rows(self):
-        X, y, w, rank = [], [], [], []
+        """Rank-step rows: features, seconds, weight, rank, and whether the step ran on as
+        many ranks as the newest (steps from before a resize have ranks of another job: they
+        inform the cost terms, at speed 1, never a rank's speed)."""
+        X, y, w, rank, now = [], [], [], [], []
+        S = self.history[-1].seconds.size
         for age, obs in enumerate(reversed(self.history)):
             f = obs.features
             ok = np.isfinite(obs.seconds) & (obs.seconds > 0)
@@ -115,25 +119,30 @@ class OnlineFit:
             y.append(obs.seconds[ok])
             w.append(np.full(int(ok.sum()), self.forget**age))
             rank.append(np.flatnonzero(ok))
-        return np.concatenate(X), np.concatenate(y), np.concatenate(w), np.concatenate(rank)
+            now.append(np.full(int(ok.sum()), obs.seconds.size == S))
+        return tuple(np.concatenate(a) for a in (X, y, w, rank, now))
 
     def fit(self, speeds: np.ndarray | None = None) -> tuple[WorkloadModel, np.ndarray | None]:
         """(the refitted model in seconds per layer, estimated speeds or None); the prior
         unchanged (and None) until a step has been recorded."""
         if not self.history:
             return self.prior, None
-        X, y, w, rank = self._rows()
+        X, y, w, rank, now = self._rows()
         if y.size == 0:
             return self.prior, None
         S = self.history[-1].seconds.size
         speed = np.ones(S) if speeds is None else np.asarray(speeds, dtype=np.float64)
-        coef = self._solve(X, y, w, speed[rank])
+
+        def per_row(v: np.ndarray) -> np.ndarray:
+            return np.where(now, v[np.minimum(rank, S - 1)], 1.0)
+
+        coef = self._solve(X, y, w, per_row(speed))
         est = None
         if self.estimate_speed:
             pred = X @ coef[:-1]
             ratio = np.full(S, np.nan)
             for r in range(S):
-                sel = (rank == r) & (pred > 0)
+                sel = (rank == r) & now & (pred > 0)
                 if sel.any():
                     ratio[r] = np.median(pred[sel] / np.maximum(y[sel] - coef[-1], 1e-12))
             good = np.isfinite(ratio)
@@ -141,14 +150,14 @@ class OnlineFit:
                 ratio[~good] = np.median(ratio[good])
                 est = np.maximum(ratio / np.median(ratio), self.speed_floor)
                 est = np.asarray([_round(v, 6) for v in est])
-                coef = self._solve(X, y, w, est[rank])  # refit with the speeds taken out
+                coef = self._solve(X, y, w, per_row(est))  # refit with the speeds taken out
         layers = self.prior.num_layers
         terms = coef[:-1]
         if not any(v > 0 for t, v in zip(COST_TERMS, terms) if t.grows):
             # degenerate data (noise swamped every length-dependent term): the prior's shape,
             # scaled to the measured seconds, so that predictions stay in seconds; the prior
             # itself only if even that scale is not positive
-            spd = (est if est is not None else speed)[rank]
+            spd = per_row(est if est is not None else speed)
             pred = (X / spd[:, None]) @ (coefficients(self.prior) * layers)
             scale = float(np.sum(w * pred / y) / max(np.sum(w * pred**2 / y**2), 1e-300))
             if not (math.isfinite(scale) and scale > 0):
