@@ -1,5 +1,6 @@
 """Training-loop helpers for balanced steps: the global-mean loss under any gradient reduction,
-and a gradient sum whose buffers are safe at exit.
+a gradient sum whose buffers are safe at exit, and a process group that survives torchrun's
+restarts (:func:`init_restartable`).
 
 **The global-mean loss.** Balancing moves tokens between ranks, so "the mean over this rank's
 tokens" changes from step to step and weights a token on a rank with few tokens more than one
@@ -26,7 +27,7 @@ import torch.distributed as dist
 
 import knapformer.distributed.lifetime as lifetime
 
-__all__ = ["global_mean_loss", "sum_gradients"]
+__all__ = ["global_mean_loss", "init_restartable", "sum_gradients"]
 
 _REDUCTIONS = ("mean", "sum")
 
@@ -82,3 +83,30 @@ def sum_gradients(
         lifetime.collective(lambda flat=flat: dist.all_reduce(flat, group=group), (flat,), "sum_gradients", group)
         for g, part in zip(grads, torch.split(flat, [g.numel() for g in grads])):
             g.copy_(part.view_as(g))
+
+
+def init_restartable(backend: str = "gloo", *, timeout_s: float = 600.0) -> int:
+    """``init_process_group`` under ``torchrun --max-restarts``, in a key space of the launcher's
+    store of its own per restart; returns the restart count (``TORCHELASTIC_RESTART_COUNT``).
+
+    Why: the launcher keeps its store across restarts, and a restarted worker's plain
+    ``init_process_group`` read the *previous* attempt's gloo addresses from it — with torch
+    2.13 (gloo, CPU) every restart failed in ``connectFullMesh`` ("Connection refused"), with
+    or without ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``. A prefix per attempt (every worker of a
+    restarted group has the same count) keeps the attempts apart. Outside torchrun (no
+    ``MASTER_ADDR``/``TORCHELASTIC_RESTART_COUNT``) it is a plain ``init_process_group``."""
+    import datetime
+    import os
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    env = os.environ
+    if "TORCHELASTIC_RESTART_COUNT" not in env or "MASTER_ADDR" not in env:
+        dist.init_process_group(backend, timeout=timeout)
+        return 0
+    attempt = int(env["TORCHELASTIC_RESTART_COUNT"])
+    base = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
+    store = dist.PrefixStore(f"knapformer/attempt{attempt}", base)
+    dist.init_process_group(
+        backend, store=store, rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]), timeout=timeout
+    )
+    return attempt

@@ -158,9 +158,7 @@ def test_plans_for_the_pre_attn_path_keep_the_memory_cap(lens, cap, causal):
     rank, its routed tokens plus its gathered keys and values (as tokens) within the cap — or
     no plan is returned at all (a clear ValueError)."""
     model = WorkloadModel(d_model=768, num_heads=6, num_kv_heads=3, causal=causal)
-    problem = PlanProblem(
-        seq_lens=lens, layout="auto", model=model, link=LINK, max_tokens_per_rank=cap, kv_gather=True
-    )
+    problem = PlanProblem(seq_lens=lens, layout="auto", model=model, link=LINK, max_tokens_per_rank=cap, kv_gather=True)
     try:
         plan = solve_moldable(problem)
     except ValueError:

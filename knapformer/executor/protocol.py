@@ -66,9 +66,7 @@ class TokenExecutor(Protocol):
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
         """Attention of routed tokens within their own sequences."""
 
-    def pre_attn(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool | None = None
-    ) -> VarlenArgs:
+    def pre_attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool | None = None) -> VarlenArgs:
         """The arguments of one custom varlen kernel call (:class:`VarlenArgs`); pass the
         ``causal`` your kernel will use (it shapes the key segments under ring plans; None:
         the executor's default — the balancer's cost model's flag)."""
