@@ -164,6 +164,14 @@ def test_cli_help_imports_no_torch():
     assert out.stdout.strip() == "False"
 
 
+def test_importing_the_balancer_does_not_load_the_compiler():
+    """``torch._dynamo`` costs ~1.2 s of every rank's start; the balancer's compile guards
+    (:func:`knapformer.distributed.compiled.eager_only`) load it only when a caller has."""
+    code = "import sys\nimport knapformer.distributed, knapformer.training\nprint('torch._dynamo' in sys.modules)\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
 def test_models_and_attention_do_not_use_torch_distributed():
     """Models are single-device user code; attention backends are local; planning and the
     cluster model are numpy. Only distributed/, tools/, integrations/ and testing/ import

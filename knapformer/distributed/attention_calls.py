@@ -23,6 +23,7 @@ import knapformer.distributed.ulysses as ulysses
 from knapformer.attention.varlen import varlen_attention
 from knapformer.distributed.agree import describe
 from knapformer.distributed.checks import attention_problem
+from knapformer.distributed.compiled import eager_only
 from knapformer.errors import InvalidPlanError
 from knapformer.executor.opaque import attend
 from knapformer.executor.protocol import RoutedContext, VarlenArgs, context_tensors
@@ -92,7 +93,7 @@ class AttentionCalls:
         self._checks.agree("post_attn", error)
         return ulysses.post_attn_batches(call, outs, spec, self.group)
 
-    @torch.compiler.disable
+    @eager_only
     def pre_attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool | None = None) -> VarlenArgs:
         """Routed q (R, h, D), k/v (R, h_kv, ·) -> the arguments of one custom varlen kernel call
         (:class:`~knapformer.executor.VarlenArgs`, flash-attn's order: q, k, v, cu_seqlens_q,
@@ -112,7 +113,7 @@ class AttentionCalls:
         self._call = call
         return ulysses.flatten_pairs(call)
 
-    @torch.compiler.disable
+    @eager_only
     def post_attn(self, o: torch.Tensor) -> torch.Tensor:
         """Output of the kernel run on :meth:`pre_attn`'s tensors -> (R, h, Dv) in routed order.
         A wrong shape or dtype on any rank raises on every rank (before the exchange)."""

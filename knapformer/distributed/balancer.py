@@ -39,6 +39,7 @@ from knapformer.distributed.agree import digest62, group_device
 from knapformer.distributed.attention_calls import AttentionCalls
 from knapformer.distributed.checks import StepChecks, as_lengths
 from knapformer.distributed.closed_loop import ClosedLoop
+from knapformer.distributed.compiled import eager_only
 from knapformer.distributed.settings import agree_settings, asked_group, resolve_groups
 from knapformer.distributed.spec import RouteSpec, build_route_spec
 from knapformer.errors import BalancerConfigError, BalancerInputError, PlanMismatchError
@@ -155,7 +156,7 @@ class SequenceBalancer(AttentionCalls):
         return self._loop.planning.cost  # type: ignore[return-value]
 
     # -- planning --------------------------------------------------------------------------------
-    @torch.compiler.disable
+    @eager_only
     def plan(self, local_seq_lens: Sequence[int]) -> Plan:
         """Gather every rank's lengths, plan, and build this rank's route spec. Collective over
         the balancing group (an agreement, then two all-gathers); returns the same
@@ -225,7 +226,7 @@ class SequenceBalancer(AttentionCalls):
             )
         return plan
 
-    @torch.compiler.disable
+    @eager_only
     def use_plan(self, plan: Plan) -> Plan:
         """Execute a plan made elsewhere (any groups of ranks: non-contiguous, overlapping,
         different every step). Collective: every rank must pass the identical plan; it is
@@ -280,7 +281,7 @@ class SequenceBalancer(AttentionCalls):
         completes at the next ``plan`` or at :meth:`flush`)."""
         self._loop.callbacks.append(callback)
 
-    @torch.compiler.disable
+    @eager_only
     def flush(self) -> StepTelemetry | None:
         """Complete the last step's telemetry now (collective: an agreement and one small
         all-gather) instead of at the next ``plan``; returns it."""
@@ -294,7 +295,7 @@ class SequenceBalancer(AttentionCalls):
         return self.last_step
 
     # -- resumable state -------------------------------------------------------------------------
-    @torch.compiler.disable
+    @eager_only
     def state_dict(self) -> dict:
         """What a resumed job needs to plan exactly as this one would: the step counter and the
         closed loop's fitted cost model, rank speeds and fit history. Collective: it completes
@@ -308,7 +309,7 @@ class SequenceBalancer(AttentionCalls):
             "closed_loop": self._loop.state_dict(),
         }
 
-    @torch.compiler.disable
+    @eager_only
     def load_state_dict(self, state: dict) -> None:
         """Continue from :meth:`state_dict` of another balancer (e.g. before a restart).
         Collective: every rank must load the same state (agreed; a rank that loaded another one,
@@ -340,7 +341,7 @@ class SequenceBalancer(AttentionCalls):
         not wait in a collective this rank has left."""
         self._checks.defer(message)
 
-    @torch.compiler.disable
+    @eager_only
     def raise_everywhere(self, message: str) -> NoReturn:
         """Raise ``message`` now, on every rank of the group: this rank joins the agreement the
         others are entering at their next exchange, and all of them raise
@@ -350,7 +351,7 @@ class SequenceBalancer(AttentionCalls):
         raise AssertionError("unreachable: the agreement raises")  # pragma: no cover
 
     # -- execution -------------------------------------------------------------------------------
-    @torch.compiler.disable
+    @eager_only
     def route(self, x: torch.Tensor, *features: torch.Tensor, seq_lens: Sequence[int] | None = None, names=None):
         """Move tokens (T, *F) to their planned ranks -> (R, *F); several tensors -> a tuple.
         One all_to_all_single per dtype; differentiable (backward = reverse exchange).
@@ -368,7 +369,7 @@ class SequenceBalancer(AttentionCalls):
         out = ops.route(self._loop.on_route(tensors), spec, self.group)
         return out[0] if not features else tuple(out)
 
-    @torch.compiler.disable
+    @eager_only
     def reverse_route(self, y: torch.Tensor, *features: torch.Tensor, names=None):
         """Inverse of :meth:`route`: (R, *F) -> (T, *F) in the caller's original order."""
         _, spec = self._require_spec()
@@ -378,7 +379,7 @@ class SequenceBalancer(AttentionCalls):
         out = ops.reverse_route(tensors, spec, self.group)
         return out[0] if not features else tuple(out)
 
-    @torch.compiler.disable
+    @eager_only
     def gather_sequences(self, *per_seq: torch.Tensor, names=None) -> tuple[torch.Tensor, ...]:
         """Per-sequence rows of every rank of the group, in group sequence-id order: (n_local,
         *F) each -> (n_group, *F), indexable by ``routed_positions()[0]``. Differentiable; one
@@ -388,7 +389,7 @@ class SequenceBalancer(AttentionCalls):
         self._checks.tensors("gather_sequences", per_seq, counts[self.group_rank], names=names)
         return tuple(ops.gather_sequences(per_seq, counts, self.group_rank, self.group))
 
-    @torch.compiler.disable
+    @eager_only
     def route_context(self, context: torch.Tensor, lens: Sequence[int]) -> RoutedContext:
         """Send each local sequence's context (``lens[i]`` rows of ``context`` for local
         sequence i, e.g. its embedded text) to every rank of the group that holds queries of

@@ -8,16 +8,48 @@ custom operators (see :mod:`knapformer.executor.opaque` for why and how).
   shaped like the routed tokens a caller passes, so the compiled graph never holds the plan.
 
 Everything else the balancer does once per step (``plan``, ``route``, ``reverse_route``,
-``gather_sequences``, ``route_context``) runs eagerly at a graph break.
+``gather_sequences``, ``route_context``) runs eagerly at a graph break (:func:`eager_only`).
 """
 
 from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 from knapformer.executor.opaque import lookup, register_kind
 
-__all__ = ["routed_positions"]
+__all__ = ["eager_only", "routed_positions"]
+
+F = TypeVar("F", bound=Callable)
+
+
+def eager_only(fn: F) -> F:
+    """``torch.compiler.disable(fn)``, without importing ``torch._dynamo`` when knapformer is
+    imported: that import costs ~1.2 s of every process's start (every rank of every job),
+    and nothing can be compiling before something else has imported it. The wrapper carries
+    the marks dynamo reads from a disabled function (a call to it from a compiled region is a
+    graph break, as with ``torch.compiler.disable``); once ``torch._dynamo`` is loaded, each
+    call runs through ``torch._dynamo.disable(fn)`` (frames inside are never compiled)."""
+    disabled = None
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        nonlocal disabled
+        if "torch._dynamo" not in sys.modules:
+            return fn(*args, **kwargs)
+        if disabled is None:
+            disabled = torch._dynamo.disable(fn)
+        return disabled(*args, **kwargs)
+
+    wrapper._torchdynamo_disable = True  # type: ignore[attr-defined]
+    wrapper._torchdynamo_disable_msg = None  # type: ignore[attr-defined]
+    wrapper._torchdynamo_disable_recursive = True  # type: ignore[attr-defined]
+    wrapper._torchdynamo_orig_callable = fn  # type: ignore[attr-defined]
+    return wrapper  # type: ignore[return-value]
 
 
 def _balanced(bal, q, k, v, extra, causal, backend):
