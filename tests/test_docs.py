@@ -26,7 +26,12 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 PUBLIC = ["knapformer", "knapformer.plan", "knapformer.data", "knapformer.training"]
-INTEGRATIONS = ["knapformer.integrations.flux", "knapformer.integrations.flux2", "knapformer.integrations.wan"]
+INTEGRATIONS = [
+    "knapformer.integrations.flux",
+    "knapformer.integrations.flux2",
+    "knapformer.integrations.wan",
+    "knapformer.integrations.torchtitan_flux",
+]
 
 
 def python_blocks(page: Path) -> list[str]:

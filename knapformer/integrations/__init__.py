@@ -8,7 +8,9 @@ Each model family is one module with its packed forward and a
 - :mod:`knapformer.integrations.flux`: diffusers ``FluxTransformer2DModel``
   (``pip install 'knapformer[diffusers]'``; :mod:`knapformer.integrations.diffusers` is its old name);
 - :mod:`knapformer.integrations.flux2`: diffusers ``Flux2Transformer2DModel`` (diffusers 0.42);
-- :mod:`knapformer.integrations.wan`: diffusers ``WanTransformer3DModel`` (Wan 2.x T2V/I2V/FLF2V/TI2V).
+- :mod:`knapformer.integrations.wan`: diffusers ``WanTransformer3DModel`` (Wan 2.x T2V/I2V/FLF2V/TI2V);
+- :mod:`knapformer.integrations.torchtitan_flux`: torchtitan's ``FluxModel``
+  (``pip install 'knapformer[torchtitan]'``).
 """
 
 __all__: list[str] = []
