@@ -38,3 +38,33 @@ def test_keep_freed_memory_stops_refaulting_the_next_steps_buffers():
     # default glibc trims the 40 MB freed at the heap top and faults it in again every step
     assert _faults("default") > 5000
     assert _faults("tuned") < 500
+
+
+def _caller_state(rank: int, world: int) -> tuple:
+    import os
+
+    import knapformer.testing.dist as D
+
+    return os.getppid(), getattr(D, "_caller_mark", None), torch_threads()
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def test_ranks_start_from_a_clean_process_not_from_the_caller(monkeypatch):
+    """run_distributed's ranks (forked from a forkserver where there is one) see none of the
+    caller's state — here a monkeypatched module attribute — and run one thread each, as
+    spawned ones do; they are not the caller's children."""
+    import os
+
+    import knapformer.testing.dist as D
+    from knapformer.testing import process_context, run_distributed
+
+    monkeypatch.setattr(D, "_caller_mark", "set in the caller", raising=False)
+    out = run_distributed(_caller_state, 2)
+    assert all(mark is None and threads == 1 for _, mark, threads in out), out
+    if process_context().get_start_method() == "forkserver":
+        assert all(ppid != os.getpid() for ppid, _, _ in out)  # forked by the server

@@ -3,13 +3,14 @@
 Main API: :func:`run_distributed`, :func:`reference_attention`, :func:`reference_cross_attention`.
 """
 
-from knapformer.testing.dist import free_port, keep_freed_memory, pin_to_core, run_distributed
+from knapformer.testing.dist import free_port, keep_freed_memory, pin_to_core, process_context, run_distributed
 from knapformer.testing.reference import reference_attention, reference_cross_attention
 
 __all__ = [
     "free_port",
     "keep_freed_memory",
     "pin_to_core",
+    "process_context",
     "reference_attention",
     "reference_cross_attention",
     "run_distributed",
