@@ -68,3 +68,12 @@ def test_ranks_start_from_a_clean_process_not_from_the_caller(monkeypatch):
     assert all(mark is None and threads == 1 for _, mark, threads in out), out
     if process_context().get_start_method() == "forkserver":
         assert all(ppid != os.getpid() for ppid, _, _ in out)  # forked by the server
+
+
+def test_spawn_can_be_asked_for():
+    from knapformer.testing import process_context, run_distributed
+
+    assert process_context("spawn").get_start_method() == "spawn"
+    assert run_distributed(_caller_state, 2, start_method="spawn")[0][1] is None
+    with pytest.raises(ValueError, match="start_method"):
+        process_context("fork")

@@ -9,9 +9,8 @@ import queue
 import time
 
 import pytest
-import torch.multiprocessing as mp
 
-from knapformer.testing import free_port
+from knapformer.testing import free_port, process_context
 from tests import peer_workers as W
 
 BOUND_S = 20.0  # collective_timeout_s of the kill tests (a dead peer is seen at once; this is the ceiling)
@@ -21,7 +20,7 @@ def _run(world: int, victim: int, phase: str, mode: str, timeout_s: float) -> tu
     # spawn, not the suite's forkserver: a forked rank leaves through os._exit at once, so a
     # survivor that raised first is gone before a slower one names the dead (a launcher's
     # processes exit through interpreter shutdown, as spawned ones do)
-    ctx = mp.get_context("spawn")
+    ctx = process_context("spawn")
     out = ctx.Queue()
     port = free_port()
     procs = [

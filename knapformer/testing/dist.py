@@ -36,10 +36,13 @@ PRELOAD = ["torch", "torch.distributed", "knapformer.distributed", "knapformer.t
 """What the forkserver imports once for every rank it forks."""
 
 
-def process_context():
+def process_context(start_method: str | None = None):
     """The multiprocessing context ranks are started from (module docstring): a forkserver
-    that has imported :data:`PRELOAD`, or ``spawn`` where there is no forkserver."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+    that has imported :data:`PRELOAD`, or ``spawn`` where there is no forkserver;
+    ``start_method`` (``"spawn"``, ``"forkserver"``) chooses one instead."""
+    if start_method not in (None, "spawn", "forkserver"):
+        raise ValueError(f"start_method must be None, 'spawn' or 'forkserver', got {start_method!r}")
+    if start_method == "spawn" or "forkserver" not in multiprocessing.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts (the first rank)
@@ -132,11 +135,14 @@ def run_distributed(
     timeout: float = 120.0,
     backend: str | None = None,
     pg_timeout: float = 45.0,
+    start_method: str | None = None,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` new processes; return results by rank."""
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` new processes; return results by
+    rank. ``start_method``: see :func:`process_context` (``"spawn"`` for ranks that must see
+    environment variables set after the forkserver started)."""
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
-    ctx = process_context()
+    ctx = process_context(start_method)
     results = ctx.Queue()
     port = free_port()
     procs = [
