@@ -81,7 +81,7 @@ def grad_error(model, ref, reduce: str) -> tuple[float, list[str]]:
         elif reduce == "sum":
             g = g.clone()
             dist.all_reduce(g)
-        r = ref_p[name.replace("_checkpoint_wrapped_module.", "").replace("stock.", "")].grad
+        r = ref_p[name.replace("_checkpoint_wrapped_module.", "")].grad
         worst = max(worst, (g - r).abs().max().item() / max(r.abs().max().item(), 1e-12))
     return worst, missing
 

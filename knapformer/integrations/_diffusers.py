@@ -1,8 +1,9 @@
-"""What the diffusers integrations share: the import check, the packed output, block calls,
-the executor default, bad-sample reporting, and splitting a synthetic batch into samples.
+"""What the integrations share: the diffusers import check, the packed output, block calls,
+the executor default, bad-sample reporting, the sizes of a Flux-style preset, grid ids, and
+splitting a synthetic batch into samples.
 
 Private to :mod:`knapformer.integrations`; each integration module (``flux``, ``flux2``,
-``wan``) imports these instead of another integration's names.
+``wan``, ``torchtitan_flux``) imports these instead of another integration's names.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ from knapformer.executor import LocalExecutor, TokenExecutor
 
 __all__ = [
     "BatchSample",
+    "FluxSizes",
     "PackedOutput",
     "batch_samples",
     "call_block",
     "cat_or_empty",
     "executor_or_local",
+    "grid_ids",
     "raise_sample_problem",
     "require_diffusers",
     "stack_scalars",
@@ -62,6 +65,39 @@ class PackedOutput(list):
         out = cls(parts)
         out.flat = flat
         return out
+
+
+class FluxSizes:
+    """The sizes the tools read from a Flux-style preset config (a dataclass with
+    ``num_heads``, ``head_dim``, ``num_double``, ``num_single`` and ``in_dim``)."""
+
+    num_heads: int
+    head_dim: int
+    num_double: int
+    num_single: int
+    in_dim: int
+
+    @property
+    def dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def num_layers(self) -> int:
+        return self.num_double + self.num_single
+
+    @property
+    def out_dim(self) -> int:
+        return self.in_dim
+
+
+def grid_ids(n: int, axes: int = 3, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """(n, axes) position ids of n image tokens on a near-square grid (the last two axes are
+    row and column; the others 0)."""
+    w = max(1, int(n**0.5))
+    pos = torch.arange(n, dtype=dtype)
+    ids = torch.zeros(n, axes, dtype=dtype)
+    ids[:, -2], ids[:, -1] = pos // w, pos % w
+    return ids
 
 
 def executor_or_local(executor: TokenExecutor | None, seq_lens: Sequence[int]) -> TokenExecutor:

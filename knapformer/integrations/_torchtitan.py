@@ -9,6 +9,8 @@ import copy
 import dataclasses
 from dataclasses import dataclass
 
+from knapformer.integrations._diffusers import FluxSizes
+
 __all__ = ["TESTED", "TitanFluxConfig", "build_titan_flux", "require_torchtitan"]
 
 TESTED = "0.3"
@@ -34,7 +36,7 @@ def require_torchtitan():
 
 
 @dataclass(frozen=True, kw_only=True)
-class TitanFluxConfig:
+class TitanFluxConfig(FluxSizes):
     """A randomly initialised torchtitan ``FluxModel`` (no download) built with torchtitan's own
     block configs; the defaults are the ``torchtitan-flux-tiny`` preset."""
 
@@ -50,18 +52,6 @@ class TitanFluxConfig:
     """``vec_in_dim`` (CLIP pooled width)."""
     axes_dim: tuple[int, int, int] = (4, 6, 6)
     mlp_ratio: float = 4.0
-
-    @property
-    def dim(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def num_layers(self) -> int:
-        return self.num_double + self.num_single
-
-    @property
-    def out_dim(self) -> int:
-        return self.in_dim
 
 
 def build_titan_flux(cfg: TitanFluxConfig):

@@ -45,11 +45,13 @@ import torch
 
 from knapformer.executor import TokenExecutor, local_positions
 from knapformer.integrations._diffusers import (
+    FluxSizes,
     PackedOutput,
     batch_samples,
     call_block,
     cat_or_empty,
     executor_or_local,
+    grid_ids,
     raise_sample_problem,
     require_diffusers,
     stack_scalars,
@@ -75,7 +77,7 @@ __all__ = [
 
 
 @dataclass(frozen=True, kw_only=True)
-class DiffusersFluxConfig:
+class DiffusersFluxConfig(FluxSizes):
     """A randomly initialised diffusers ``FluxTransformer2DModel`` (no download); the defaults
     are the ``diffusers-flux-tiny`` preset."""
 
@@ -90,18 +92,6 @@ class DiffusersFluxConfig:
     vec_dim: int = 32
     """``pooled_projection_dim``."""
     axes_dims_rope: tuple[int, int, int] = (8, 12, 12)
-
-    @property
-    def dim(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def num_layers(self) -> int:
-        return self.num_double + self.num_single
-
-    @property
-    def out_dim(self) -> int:
-        return self.in_dim
 
 
 @dataclass
@@ -233,16 +223,6 @@ def build_flux(cfg):
         guidance_embeds=False,
         axes_dims_rope=cfg.axes_dims_rope,
     )
-
-
-def grid_ids(n: int, axes: int = 3) -> torch.Tensor:
-    """(n, axes) float64 position ids of n image tokens on a near-square grid (the last two
-    axes are row and column; the others 0)."""
-    w = max(1, int(n**0.5))
-    pos = torch.arange(n, dtype=torch.float64)
-    ids = torch.zeros(n, axes, dtype=torch.float64)
-    ids[:, -2], ids[:, -1] = pos // w, pos % w
-    return ids
 
 
 def samples_from_batch(batch, cfg, *, seed: int) -> list[FluxSample]:

@@ -40,6 +40,7 @@ import torch
 
 from knapformer.executor import LocalExecutor, TokenExecutor, local_positions
 from knapformer.integrations._diffusers import (
+    FluxSizes,
     PackedOutput,
     batch_samples,
     call_block,
@@ -69,7 +70,7 @@ __all__ = [
 
 
 @dataclass(frozen=True, kw_only=True)
-class DiffusersFlux2Config:
+class DiffusersFlux2Config(FluxSizes):
     """A randomly initialised diffusers ``Flux2Transformer2DModel`` (no download); the defaults
     are the ``diffusers-flux2-tiny`` preset."""
 
@@ -83,18 +84,6 @@ class DiffusersFlux2Config:
     """``joint_attention_dim``."""
     axes_dims_rope: tuple[int, ...] = (4, 4, 4, 4)
     guidance: bool = False
-
-    @property
-    def dim(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def num_layers(self) -> int:
-        return self.num_double + self.num_single
-
-    @property
-    def out_dim(self) -> int:
-        return self.in_dim
 
 
 @dataclass

@@ -55,6 +55,7 @@ from knapformer.integrations._diffusers import (
     batch_samples,
     cat_or_empty,
     executor_or_local,
+    grid_ids,
     raise_sample_problem,
     stack_scalars,
     visual_targets,
@@ -392,16 +393,6 @@ def flow_matching_sample(
 
 
 # -- synthetic samples for the tools ------------------------------------------------------------
-def grid_ids(n: int, axes: int = 3) -> torch.Tensor:
-    """(n, axes) position ids of n image tokens on a near-square grid (the last two axes are
-    row and column, as torchtitan's ``create_position_encoding_for_latents``; the others 0)."""
-    w = max(1, int(n**0.5))
-    pos = torch.arange(n, dtype=torch.float32)
-    ids = torch.zeros(n, axes)
-    ids[:, -2], ids[:, -1] = pos // w, pos % w
-    return ids
-
-
 def samples_from_batch(batch, cfg: TitanFluxConfig, *, seed: int) -> list[TitanFluxSample]:
     """Samples from a synthetic :class:`~knapformer.data.batches.Batch` (text rows first in
     each sequence; image ids on a near-square grid)."""
@@ -412,7 +403,7 @@ def samples_from_batch(batch, cfg: TitanFluxConfig, *, seed: int) -> list[TitanF
             text=torch.randn(s.text.shape[0], cfg.text_dim, generator=g).to(batch.x.dtype),
             pooled=s.vec[: cfg.vec_dim],
             timestep=s.timestep,
-            img_ids=grid_ids(s.visual.shape[0]),
+            img_ids=grid_ids(s.visual.shape[0], dtype=torch.float32),
             txt_ids=torch.zeros(s.text.shape[0], 3),
         )
         for s in batch_samples(batch)
