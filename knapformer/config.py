@@ -78,8 +78,13 @@ class BalancerConfig:
     two exchanges (a checkpoint written on one rank, an evaluation pass, a slow first
     compilation)."""
     debug: bool = False
-    """Expensive checks: every per-layer call agrees on its shapes across ranks (a host sync
-    per layer). Off, errors are still raised on every rank at the per-step agreement points."""
+    """Expensive checks: every per-layer call (``attention``, ``pre_attn``, ``post_attn``)
+    agrees on its shapes across ranks (a rendezvous of the whole group per call, so a bad layer
+    raises at that call on every rank), and each plan's digest is agreed. Off (the default), the
+    step's first per-layer call agrees, the first step of each kind agrees at every call and
+    records them, and later steps check their calls locally against that record: a bad or
+    divergent call on one rank runs the recorded call on zeros and every rank raises at the
+    step's next agreement (``reverse_route``) — no rendezvous per layer (docs/failures.md)."""
     solver_options: SolverOptions = field(default_factory=SolverOptions)
     """Iteration counts and tie-breaking of the solvers."""
     time_budget_s: float | None = None

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import knapformer.distributed.lifetime as lifetime
 from knapformer.errors import BalancerInputError, DivergentCallError, PlanMismatchError
 
-__all__ = ["Call", "agree", "describe", "digest62", "gather_text", "group_device", "signature"]
+__all__ = ["Call", "agree", "describe", "describe_parts", "digest62", "gather_text", "group_device", "signature"]
 
 
 def digest62(text: str | bytes) -> int:
@@ -58,11 +58,13 @@ def signature(tensors, names=None) -> tuple[tuple[str, str], ...]:
 
 def describe(t: torch.Tensor) -> str:
     """``float32 (·, 4, 16)``: dtype and shape with the token dimension left open."""
-    return _describe(t.dtype, tuple(t.shape[1:]), t.dim())
+    return describe_parts(t.dtype, tuple(t.shape[1:]))
 
 
 @functools.lru_cache(maxsize=1024)
-def _describe(dtype: torch.dtype, trailing: tuple[int, ...], ndim: int) -> str:
+def describe_parts(dtype: torch.dtype, trailing: tuple[int, ...]) -> str:
+    """:func:`describe` of a tensor of ``dtype`` whose trailing shape is ``trailing``."""
+    ndim = len(trailing) + 1
     dims = ", ".join(["·", *map(str, trailing)]) + ("," if ndim == 1 else "")
     return f"{str(dtype).removeprefix('torch.')} ({dims})"
 
@@ -153,6 +155,11 @@ def _raise(control, call: Call, error: str, plan: int, what: str) -> None:
     if bad:
         reasons = "; ".join(f"rank {r}: {table[r]['error']}" for r in bad) if len(bad) > 1 else table[bad[0]]["error"]
         what = table[bad[0]]["what"]
+        if what == "divergent":  # a call only some ranks made, found against the step's schedule
+            raise DivergentCallError(
+                f"{where}: ranks made different calls on rank(s) {bad} (this is rank {me}): {reasons}. Every rank "
+                "of the group must make the same exchanges in the same order each step"
+            )
         raise BalancerInputError(f"{where}: bad {what} on rank(s) {bad} (this is rank {me}): {reasons}")
     calls = [Call(d["op"], d["index"], d["step"]).describe() for d in table]
     if len(set(calls)) > 1:

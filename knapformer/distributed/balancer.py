@@ -112,11 +112,15 @@ class SequenceBalancer(AttentionCalls):
         """The settings this balancer was built with (the closed loop never rewrites them)."""
         self.group = groups.group
         self.group_rank = dist.get_rank(self.group)
-        self._checks = StepChecks(self.group, groups.control, self.group_rank)
+        self._checks = StepChecks(self.group, groups.control, self.group_rank, debug=config.debug)
+        self._checks.player = self._play  # joins the exchanges of a scheduled call this rank did not make
         self._loop = ClosedLoop(config)
         self._plan: Plan | None = None
         self._spec: RouteSpec | None = None
         self._call: ulysses.UlyssesCall | None = None  # the last pre_attn, for post_attn
+        self._expected: tuple | None = None  # post_attn's output shape after a pre_attn run on zeros
+        self._played = None  # what the last call run on zeros returned
+        self._data_device = group_device(self.group)  # where the data tensors were last seen
         self._kv_gather = config.attn_path == "pre_attn"  # plans price pre_attn's K/V all-gather
         self._opaque = owner_handle(self)  # how torch.compile's operators find this balancer
 
@@ -174,7 +178,7 @@ class SequenceBalancer(AttentionCalls):
         except ValueError as exc:
             error = str(exc)
         try:
-            self._checks.agree("plan", error, what="local_seq_lens")
+            self._checks.agree("plan", error, what="local_seq_lens", play=False)
         except BalancerInputError:
             self._drop_plan()
             raise
@@ -248,7 +252,7 @@ class SequenceBalancer(AttentionCalls):
             error = f"{type(exc).__name__}: {exc}"
         self._checks.new_step(digest62(plan.digest()) if spec is not None else 0, agreed=False)
         try:
-            self._checks.agree("use_plan", error)
+            self._checks.agree("use_plan", error, play=False)
         except BalancerInputError:
             self._drop_plan()
             raise
@@ -287,7 +291,7 @@ class SequenceBalancer(AttentionCalls):
         all-gather) instead of at the next ``plan``; returns it."""
         if not self._loop.waiting:
             return self.last_step
-        self._checks.agree("flush")
+        self._checks.agree("flush", play=False)
         t = torch.tensor([self._loop.seconds_bits()], dtype=torch.int64, device=group_device(self.group))
         rows = [torch.empty_like(t) for _ in range(dist.get_world_size(self.group))]
         lifetime.collective(lambda: dist.all_gather(rows, t, group=self.group), (t, *rows), "flush", self.group)
@@ -329,7 +333,7 @@ class SequenceBalancer(AttentionCalls):
             digest = json.dumps(state, sort_keys=True)
         except (TypeError, ValueError) as exc:
             error, digest = f"load_state_dict: {exc}", "?"
-        self._checks.agree("load_state_dict", error, (("state", str(digest62(digest))),))
+        self._checks.agree("load_state_dict", error, (("state", str(digest62(digest))),), play=False)
         self._loop.load_state_dict(state["closed_loop"], state.get("group_size"))
         self._checks.step = int(state["step"])
 
@@ -366,6 +370,7 @@ class SequenceBalancer(AttentionCalls):
             if [int(n) for n in seq_lens] != planned:
                 error = f"the tensors are laid out as sequences {list(seq_lens)[:8]}..., planned {planned[:8]}..."
         self._checks.tensors("route", tensors, spec.num_local, error=error, names=names)
+        self._data_device = x.device
         out = ops.route(self._loop.on_route(tensors), spec, self.group)
         return out[0] if not features else tuple(out)
 
