@@ -187,7 +187,8 @@ class SequenceBalancer(AttentionCalls):
         heads = [torch.empty_like(head) for _ in range(S)]
         lifetime.collective(lambda: dist.all_gather(heads, head, group=self.group), (head, *heads), "plan", self.group)
         heads_t = torch.stack(heads).cpu()
-        self._loop.finish_step(self._loop.measured(heads_t[:, 1]))  # the previous step's telemetry
+        if self._loop.ready:  # the previous step's telemetry (with CUDA events: the one before)
+            self._loop.finish_step(self._loop.measured(heads_t[:, 1]))
         counts = heads_t[:, 0].tolist()
         padded = torch.zeros(max(max(counts), 1), dtype=torch.int64, device=device)
         if lens:
@@ -292,10 +293,12 @@ class SequenceBalancer(AttentionCalls):
         if not self._loop.waiting:
             return self.last_step
         self._checks.agree("flush", play=False)
-        t = torch.tensor([self._loop.seconds_bits()], dtype=torch.int64, device=group_device(self.group))
+        t = torch.tensor(self._loop.drain_bits(), dtype=torch.int64, device=group_device(self.group))
         rows = [torch.empty_like(t) for _ in range(dist.get_world_size(self.group))]
         lifetime.collective(lambda: dist.all_gather(rows, t, group=self.group), (t, *rows), "flush", self.group)
-        self._loop.finish_step(self._loop.measured(torch.cat(rows).cpu()))
+        table = torch.stack(rows).cpu()
+        for j in range(table.shape[1]):  # oldest first
+            self._loop.finish_step(self._loop.measured(table[:, j]))
         return self.last_step
 
     # -- resumable state -------------------------------------------------------------------------

@@ -29,6 +29,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 
+import knapformer.distributed.timing as timing
 from knapformer.errors import PeerLostError
 
 __all__ = ["collective", "gloo_workers_busy", "register_peers", "wait", "wait_idle"]
@@ -46,18 +47,24 @@ def collective(fn: Callable[[], object], tensors: Sequence = (), phase: str = "e
     if not _registered:
         atexit.register(wait_idle)
         _registered = True
+    timing.pause()  # waiting for other ranks is not this rank's own work
     try:
         return fn()
     except RuntimeError as exc:
         raise _classified(exc, phase, group) from exc
+    finally:
+        timing.resume()
 
 
 def wait(work, phase: str, group=None) -> None:
     """``work.wait()`` of an asynchronous collective, its failures classified as :func:`collective`'s."""
+    timing.pause()
     try:
         work.wait()
     except RuntimeError as exc:
         raise _classified(exc, phase, group) from exc
+    finally:
+        timing.resume()
 
 
 # -- a lost peer ---------------------------------------------------------------------------------
