@@ -70,7 +70,18 @@ def wait(work, phase: str, group=None) -> None:
 # -- a lost peer ---------------------------------------------------------------------------------
 _peers: dict[int, tuple] = {}
 """id(process group) -> (the group, global ranks, hosts, pids, timeout seconds)."""
-_LOST = ("closed by peer", "reset by peer", "timed out", "timeout", "broken pipe", "connection refused", "aborted")
+_LOST = (
+    "closed by peer",
+    "reset by peer",
+    "timed out",
+    "timeout",
+    "broken pipe",
+    "connection refused",
+    "connection closed",
+    "remote process exited",  # NCCL's ncclRemoteError
+    "network error",
+    "aborted",
+)
 
 
 def register_peers(group, ranks: Sequence[int], hosts: Sequence[str], pids: Sequence[int], timeout_s: float) -> None:
@@ -104,7 +115,10 @@ def _classified(exc: RuntimeError, phase: str, group) -> RuntimeError:
         info = None
     host = socket.gethostname()
     text = str(exc)
-    lost = type(exc).__name__ == "DistBackendError" or any(w in text.lower() for w in _LOST)
+    # by what the error says, not by its type: NCCL raises DistBackendError for lost peers and for
+    # its own failures alike (an illegal address, invalid usage, out of memory), and "restart from
+    # the last checkpoint" on those would send a launcher into a restart loop
+    lost = any(w in text.lower() for w in _LOST)
     dead: list[int] = []
     local = [(r, pid) for r, h, pid in zip(info[1], info[2], info[3]) if h == host] if info is not None else []
     deadline = time.monotonic() + (1.0 if lost else 0.0)
