@@ -122,21 +122,39 @@ def loop_kernel(args, causal: bool) -> torch.Tensor:
 
 def custom_attention(bal, causal: bool, kernel: str = "reference"):
     """Attention through the custom-kernel path, the kernel being the contract's reference
-    (:func:`knapformer.attention.varlen_attention_qk`, separate query and key bounds) or
-    :func:`loop_kernel` (``kernel="loop"``)."""
+    (:func:`knapformer.attention.varlen_attention_qk`, separate query and key bounds),
+    :func:`loop_kernel` (``kernel="loop"``) or flash-attn's ``flash_attn_varlen_func`` on the
+    rule-checking stand-in, called on exactly what ``pre_attn`` returned, empty ranks
+    included (``kernel="flash_rules"``)."""
     from knapformer.attention import varlen_attention_qk
+    from knapformer.testing.flash_rules import fake_flash_attn
 
     def attend(q, k, v):
         args = bal.pre_attn(q, k, v, causal=causal)
-        o = varlen_attention_qk(*args, causal=causal) if kernel == "reference" else loop_kernel(args, causal)
+        if kernel == "reference":
+            o = varlen_attention_qk(*args, causal=causal)
+        elif kernel == "flash_rules":
+            o = fake_flash_attn.flash_attn_varlen_func(*args, causal=causal)
+        else:
+            o = loop_kernel(args, causal)
         return bal.post_attn(o)
 
     return attend
 
 
-def _check_step(bal, plan, rank, heads, kv_heads, seed, seen, custom_kernel: bool = True, dv_extra: int = 2) -> None:
+EXACT = {"dtype": torch.float64, "tol": 1e-10, "grad_tol": 1e-10, "kernel": "reference", "dv_same": False}
+FLASH_RULES = {"dtype": torch.float32, "tol": 2e-5, "grad_tol": 2e-4, "kernel": "flash_rules", "dv_same": True}
+"""How a step is checked: in float64 against one process (the math), or through the
+``flash2_rules`` backend in float32 (flash-attn's argument rules: Dv = D, fp32 standing for
+the cast) against the float64 reference of the same float32 values."""
+
+
+def _check_step(
+    bal, plan, rank, heads, kv_heads, seed, seen, custom_kernel: bool = True, dv_extra: int = 2, mode=EXACT
+) -> None:
     D = 4
-    DV = D + dv_extra  # value head dim (Dv == D takes fused kernels where they need it)
+    DV = D if mode["dv_same"] else D + dv_extra  # value head dim (Dv == D takes fused kernels where they need it)
+    dt, tol, gtol = mode["dtype"], mode["tol"], mode["grad_tol"]
     step = seed
     lens = [n for r in plan.seq_lens for n in r]
     total, mine = sum(lens), _mine(plan, rank)
@@ -152,27 +170,31 @@ def _check_step(bal, plan, rank, heads, kv_heads, seed, seen, custom_kernel: boo
     for a, b in zip(back, xs):
         assert a.dtype == b.dtype and torch.equal(a, b), "reverse_route(route(x)) != x"
     # -- attention
-    q = torch.randn(total, heads, D, generator=g, dtype=torch.float64)
-    k = torch.randn(total, kv_heads, D, generator=g, dtype=torch.float64)
-    v = torch.randn(total, kv_heads, DV, generator=g, dtype=torch.float64)
+    q, k, v = (
+        torch.randn(total, h, d, generator=g, dtype=torch.float64).to(dt).double()  # values the dtype holds
+        for h, d in ((heads, D), (kv_heads, D), (kv_heads, DV))
+    )
     for causal in (False, True):
         ref = reference_attention(q, k, v, lens, causal=causal)[mine]
-        out = bal.reverse_route(bal.attention(*bal.route(q[mine], k[mine], v[mine]), causal=causal))
-        _close(out, ref, f"step {step} attention causal={causal}", 1e-10)
+        out = bal.reverse_route(
+            bal.attention(*bal.route(*(t[mine].to(dt) for t in (q, k, v))), causal=causal)
+        ).double()
+        _close(out, ref, f"step {step} attention causal={causal}", tol)
     # -- the custom-kernel path: pre_attn -> one varlen call -> post_attn (ring plans: K/V all-gathered)
     if custom_kernel:
         for causal in (False, True):
-            out = bal.reverse_route(custom_attention(bal, causal)(*bal.route(q[mine], k[mine], v[mine])))
+            attend = custom_attention(bal, causal, kernel=mode["kernel"])
+            out = bal.reverse_route(attend(*bal.route(*(t[mine].to(dt) for t in (q, k, v))))).double()
             ref = reference_attention(q, k, v, lens, causal=causal)[mine]
-            _close(out, ref, f"step {step} pre_attn/post_attn causal={causal}", 1e-10)
+            _close(out, ref, f"step {step} pre_attn/post_attn causal={causal}", tol)
     # -- gradients through qkv projection, attention, output projection
     F = 6
-    x = torch.randn(total, F, generator=g, dtype=torch.float64)
-    wq = torch.randn(F, heads * D, generator=g, dtype=torch.float64)
-    wk = torch.randn(F, kv_heads * D, generator=g, dtype=torch.float64)
-    wv = torch.randn(F, kv_heads * DV, generator=g, dtype=torch.float64)
-    wo = torch.randn(heads * DV, F, generator=g, dtype=torch.float64)
-    target = torch.randn(total, F, generator=g, dtype=torch.float64)
+    x = torch.randn(total, F, generator=g, dtype=torch.float64).to(dt)
+    wq = torch.randn(F, heads * D, generator=g, dtype=torch.float64).to(dt)
+    wk = torch.randn(F, kv_heads * D, generator=g, dtype=torch.float64).to(dt)
+    wv = torch.randn(F, kv_heads * DV, generator=g, dtype=torch.float64).to(dt)
+    wo = torch.randn(heads * DV, F, generator=g, dtype=torch.float64).to(dt)
+    target = torch.randn(total, F, generator=g, dtype=torch.float64).to(dt)
 
     def layer(xs, ws, attend):
         n = xs.shape[0]
@@ -181,36 +203,38 @@ def _check_step(bal, plan, rank, heads, kv_heads, seed, seen, custom_kernel: boo
         vv = (xs @ ws[2]).view(n, kv_heads, DV)
         return attend(qq, kk, vv).reshape(n, heads * DV) @ ws[3]
 
-    ref_x = x.clone().requires_grad_()
-    ref_w = [w.clone().requires_grad_() for w in (wq, wk, wv, wo)]
+    ref_x = x.to(torch.float64, copy=True).requires_grad_()
+    ref_w = [w.to(torch.float64, copy=True).requires_grad_() for w in (wq, wk, wv, wo)]
     out_r = layer(ref_x, ref_w, lambda a, b, c, lens=lens: reference_attention(a, b, c, lens, causal=True))
-    (out_r * target).sum().backward()
+    (out_r * target.double()).sum().backward()
     paths = [("attention", lambda a, b, c: bal.attention(a, b, c, causal=True))]
     if custom_kernel:
-        paths.append(("pre_attn", custom_attention(bal, True, kernel="loop")))
+        paths.append(("pre_attn", custom_attention(bal, True, kernel="loop" if mode is EXACT else mode["kernel"])))
     for path, attend in paths:
         bx = x[mine].clone().requires_grad_()
         bw = [w.clone().requires_grad_() for w in (wq, wk, wv, wo)]
         out_b = bal.reverse_route(layer(bal.route(bx), bw, attend))
-        _close(out_b, out_r.detach()[mine], f"step {step} {path} layer forward", 1e-10)
+        _close(out_b.double(), out_r.detach()[mine], f"step {step} {path} layer forward", tol)
         (out_b * target[mine]).sum().backward()
-        _close(bx.grad, ref_x.grad[mine], f"step {step} {path} grad x", 1e-10)
+        _close(bx.grad.double(), ref_x.grad[mine], f"step {step} {path} grad x", gtol)
         for name, w, r in zip(("wq", "wk", "wv", "wo"), bw, ref_w):
             grad = w.grad.clone()
             torch.distributed.all_reduce(grad, group=bal.group)
-            _close(grad, r.grad, f"step {step} {path} grad {name}", 1e-10)
-    _check_cross(bal, plan, rank, heads, kv_heads, g)
+            _close(grad.double(), r.grad, f"step {step} {path} grad {name}", gtol)
+    _check_cross(bal, plan, rank, heads, kv_heads, g, mode)
     spec = bal.spec
     degrees = {e.degree for e in spec.entries}
     seen["mixed_rank"] |= 1 in degrees and len(degrees) >= 2
     seen["idle_rank"] |= spec.num_routed == 0
 
 
-def _check_cross(bal, plan, rank, heads, kv_heads, g) -> None:
+def _check_cross(bal, plan, rank, heads, kv_heads, g, mode=EXACT) -> None:
     """Cross-attention over per-sequence contexts (some empty) routed once with route_context:
     each rank receives exactly its sequences' contexts; outputs and gradients (of the routed
     tokens, the contexts and the projections) equal one process."""
     D, F, Fc = 4, 5, 3
+    DV = D if mode["dv_same"] else 2
+    dt, tol, gtol = mode["dtype"], mode["tol"], mode["grad_tol"]
     lens = [n for r in plan.seq_lens for n in r]
     ctx_lens = [int(v) for v in torch.randint(0, 6, (len(lens),), generator=g)]
     if ctx_lens:
@@ -219,20 +243,20 @@ def _check_cross(bal, plan, rank, heads, kv_heads, g) -> None:
     first, count = int(plan.index.first[rank]), len(plan.seq_lens[rank])
     c_start = sum(ctx_lens[:first])
     c_mine = slice(c_start, c_start + sum(ctx_lens[first : first + count]))
-    x = torch.randn(total, F, generator=g, dtype=torch.float64)
-    ctx = torch.randn(sum(ctx_lens), Fc, generator=g, dtype=torch.float64)
-    wq = torch.randn(F, heads * D, generator=g, dtype=torch.float64)
-    wk = torch.randn(Fc, kv_heads * D, generator=g, dtype=torch.float64)
-    wv = torch.randn(Fc, kv_heads * 2, generator=g, dtype=torch.float64)
-    target = torch.randn(total, heads, 2, generator=g, dtype=torch.float64)
+    x = torch.randn(total, F, generator=g, dtype=torch.float64).to(dt)
+    ctx = torch.randn(sum(ctx_lens), Fc, generator=g, dtype=torch.float64).to(dt)
+    wq = torch.randn(F, heads * D, generator=g, dtype=torch.float64).to(dt)
+    wk = torch.randn(Fc, kv_heads * D, generator=g, dtype=torch.float64).to(dt)
+    wv = torch.randn(Fc, kv_heads * DV, generator=g, dtype=torch.float64).to(dt)
+    target = torch.randn(total, heads, DV, generator=g, dtype=torch.float64).to(dt)
 
     def project(xs, cs, ws):
-        return (xs @ ws[0]).view(-1, heads, D), (cs @ ws[1]).view(-1, kv_heads, D), (cs @ ws[2]).view(-1, kv_heads, 2)
+        return (xs @ ws[0]).view(-1, heads, D), (cs @ ws[1]).view(-1, kv_heads, D), (cs @ ws[2]).view(-1, kv_heads, DV)
 
-    rx, rc = x.clone().requires_grad_(), ctx.clone().requires_grad_()
-    rw = [w.clone().requires_grad_() for w in (wq, wk, wv)]
+    rx, rc = (t.to(torch.float64, copy=True).requires_grad_() for t in (x, ctx))
+    rw = [w.to(torch.float64, copy=True).requires_grad_() for w in (wq, wk, wv)]
     ref = reference_cross_attention(*project(rx, rc, rw), lens, ctx_lens)
-    (ref * target).sum().backward()
+    (ref * target.double()).sum().backward()
     bx, bc = x[mine].clone().requires_grad_(), ctx[c_mine].clone().requires_grad_()
     bw = [w.clone().requires_grad_() for w in (wq, wk, wv)]
     routed = bal.route_context(bc, ctx_lens[first : first + count])
@@ -243,14 +267,14 @@ def _check_cross(bal, plan, rank, heads, kv_heads, g) -> None:
     assert torch.equal(routed.rows.detach(), expect), "route_context: wrong context rows"
     q, k, v = project(bal.route(bx), routed.rows, bw)
     out = bal.reverse_route(bal.cross_attention(q, k, v, routed))
-    _close(out, ref.detach()[mine], "cross-attention forward", 1e-10)
+    _close(out.double(), ref.detach()[mine], "cross-attention forward", tol)
     (out * target[mine]).sum().backward()
-    _close(bx.grad, rx.grad[mine], "cross-attention grad x", 1e-10)
-    _close(bc.grad, rc.grad[c_mine], "cross-attention grad context", 1e-10)
+    _close(bx.grad.double(), rx.grad[mine], "cross-attention grad x", gtol)
+    _close(bc.grad.double(), rc.grad[c_mine], "cross-attention grad context", gtol)
     for name, w, r in zip(("wq", "wk", "wv"), bw, rw):
         grad = w.grad.clone()
         torch.distributed.all_reduce(grad, group=bal.group)
-        _close(grad, r.grad, f"cross-attention grad {name}", 1e-10)
+        _close(grad.double(), r.grad, f"cross-attention grad {name}", gtol)
 
 
 def check_bad_group_plans(rank: int, world: int) -> list[str]:
@@ -365,3 +389,34 @@ def _custom_layer_step(bal, plan, rank, heads, kv_heads, causal, seed) -> None:
         grad = w.grad.clone()
         torch.distributed.all_reduce(grad, group=bal.group)
         _close(grad, r.grad, f"pre_attn h{heads}/kv{kv_heads} causal={causal} grad {name}", 1e-10)
+
+
+def check_flash_rules(rank: int, world: int, seed: int) -> dict:
+    """The group, GQA/MQA, ring and empty-rank suites through the ``flash2_rules`` backend
+    (flash-attn's argument rules, fp32 standing for the cast): overlapping random group
+    plans, random ring plans, and ``auto`` plans with empty ranks; custom kernels are called
+    as flash-attn on exactly what ``pre_attn`` returns."""
+    from tests import ring_workers as R
+
+    seen = {"mixed_rank": False, "idle_rank": False, "rings": 0}
+    bal = SequenceBalancer(f"g1n{world}", MODEL, attn_backend="flash2_rules")
+    for step, (heads, kv_heads) in enumerate(((4, 4), (4, 2), (4, 1))):
+        plan = random_group_plan(world, seed + step, (1, 2, world))
+        bal.use_plan(plan)
+        _check_step(bal, plan, rank, heads, kv_heads, seed + step, seen, mode=FLASH_RULES)
+    for step, (h, h_kv, sizes) in enumerate(((2, 1, (world,)), (4, 2, (2, world)))):
+        plan = R.random_ring_plan(world, seed + 10 + step, sizes, h, h_kv)
+        bal.use_plan(plan)
+        _check_step(bal, plan, rank, h, h_kv, seed + 10 + step, seen, mode=FLASH_RULES)
+        seen["rings"] += bal.spec.ring_rounds > 1
+    lens = [[20, 9], [7], *[[3] for _ in range(2, world)]][:world]  # every sequence on rank 0: the others idle
+    idle = plan_from_groups(lens, [(0,)], [0] * sum(map(len, lens)), MODEL)
+    bal.use_plan(idle)
+    _check_step(bal, idle, rank, 4, 2, seed + 30, seen, mode=FLASH_RULES)
+    model = WorkloadModel(d_model=16, num_heads=4)
+    auto = SequenceBalancer("auto", model, attn_backend="flash2_rules")
+    for step in range(2):
+        lens = [[300 + step, 7], [], *[[5 + r] for r in range(2, world)]][:world]  # rank 1 holds nothing
+        plan = auto.plan(lens[rank])
+        _check_step(auto, plan, rank, 4, 2, seed + 20 + step, seen, mode=FLASH_RULES)
+    return seen

@@ -14,9 +14,13 @@ import torch.utils.checkpoint as ckpt
 from knapformer import BalancerInputError, DivergentCallError, SequenceBalancer, WorkloadModel
 from knapformer.attention import varlen_attention_qk
 from knapformer.plan import plan_from_groups
+from knapformer.testing.flash_rules import fake_flash_attn
 
 H, D, LAYERS = 4, 8, 4
 MODEL = WorkloadModel(d_model=H * D, num_heads=H)
+DTYPE = [torch.float64]
+BACKEND = ["auto"]
+"""The dtype and attention backend of every case (:func:`steady_state` sets them)."""
 RENDEZVOUS = ("all_reduce", "all_gather", "all_gather_into_tensor", "barrier", "broadcast", "reduce_scatter_tensor")
 
 
@@ -47,7 +51,10 @@ def _layer(bal, h, path: str, bad=None):
         o = bal.attention(q, q, q)
     else:
         args = bal.pre_attn(q, q, q)
-        o = varlen_attention_qk(*args)
+        if BACKEND[0] == "flash2_rules":  # flash-attn's own call on exactly these arguments
+            o = fake_flash_attn.flash_attn_varlen_func(*args)
+        else:
+            o = varlen_attention_qk(*args)
         o = bal.post_attn(bad("o", o) if bad else o)
     return h + (o if o.shape == h.shape else 0 * o.sum())
 
@@ -56,7 +63,7 @@ def _step(bal, counter, rank, path, layers=LAYERS, bad=None, skip=None, seed=0):
     """A training step; returns (output rows, whole-group collectives per layer, in the backward)."""
     bal.plan(_lens(rank))
     g = torch.Generator().manual_seed(seed * 10 + rank)
-    x = torch.randn(sum(_lens(rank)), H, D, generator=g, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(sum(_lens(rank)), H, D, generator=g, dtype=DTYPE[0], requires_grad=True)
     h = bal.route(x)
     per_layer = []
     for i in range(layers):
@@ -80,11 +87,12 @@ def _outcome(fn):
     return "ok", "", time.monotonic() - t
 
 
-def steady_state(rank: int, world: int) -> dict:
+def steady_state(rank: int, world: int, backend: str = "auto", dtype: torch.dtype = torch.float64) -> dict:
+    BACKEND[0], DTYPE[0] = backend, dtype
     counter = Counter()
     out: dict = {}
     for path in ("attention", "pre_attn"):
-        bal = SequenceBalancer(f"g{world}n1", MODEL)  # every layer exchanges (Ulysses over all ranks)
+        bal = SequenceBalancer(f"g{world}n1", MODEL, attn_backend=BACKEND[0])  # Ulysses over all ranks
         out.update(_path_cases(bal, counter, rank, world, path))
     out["recompute"] = _recompute(rank, world, counter)
     out["ring"] = _ring(rank, world, counter)
@@ -119,7 +127,7 @@ def _path_cases(bal, counter: Counter, rank: int, world: int, path: str) -> dict
     # an evaluation step (no gradients) is another kind of step: no error, its own schedule
     with torch.no_grad():
         bal.plan(_lens(rank))
-        h = bal.route(torch.ones(sum(_lens(rank)), H, D, dtype=torch.float64))
+        h = bal.route(torch.ones(sum(_lens(rank)), H, D, dtype=DTYPE[0]))
         for _ in range(2):
             h = _layer(bal, h, path)
         bal.reverse_route(h)
@@ -131,7 +139,7 @@ def _recompute(rank: int, world: int, counter: Counter):
     """Activation checkpointing recomputes layers inside the backward; a bad recomputation on
     one rank finishes the backward (its exchanges run on zeros) and every rank raises at the
     next ``plan``."""
-    bal = SequenceBalancer(f"g{world}n1", MODEL)
+    bal = SequenceBalancer(f"g{world}n1", MODEL, attn_backend=BACKEND[0])
     bad = {"now": False}
 
     def block(h):
@@ -141,7 +149,7 @@ def _recompute(rank: int, world: int, counter: Counter):
 
     def step(bad_recompute=False):
         bal.plan(_lens(rank))
-        x = torch.ones(sum(_lens(rank)), H, D, dtype=torch.float64, requires_grad=True)
+        x = torch.ones(sum(_lens(rank)), H, D, dtype=DTYPE[0], requires_grad=True)
         h = bal.route(x)
         for _ in range(2):
             h = ckpt.checkpoint(block, h, use_reentrant=False)
@@ -164,13 +172,13 @@ def _recompute(rank: int, world: int, counter: Counter):
 def _ring(rank: int, world: int, counter: Counter):
     """A pure ring over every rank (one head: no Ulysses split): later layers make only the
     ring's exchanges; another head dim on one rank in a later step raises on every rank."""
-    bal = SequenceBalancer(f"g{world}n1", MODEL)
+    bal = SequenceBalancer(f"g{world}n1", MODEL, attn_backend=BACKEND[0])
     lens = [[97, 5]] + [[6]] * (world - 1)
     plan = plan_from_groups(lens, [tuple(range(world))], [0, 0] + [0] * (world - 1), MODEL, ring=[world])
 
     def step(bad=False):
         bal.use_plan(plan)
-        h = bal.route(torch.ones(sum(lens[rank]), 1, D, dtype=torch.float64, requires_grad=True))
+        h = bal.route(torch.ones(sum(lens[rank]), 1, D, dtype=DTYPE[0], requires_grad=True))
         per = []
         for i in range(3):
             before = counter.n

@@ -49,22 +49,28 @@ def device_bounds(cu, device: torch.device) -> torch.Tensor:
     return torch.tensor(list(cu), dtype=torch.int32, device=device)
 
 
-def flash_varlen(q, k, v, cu_seqlens, max_len, *, causal):
-    """(N, h, D) -> (N, h, D) via flash-attn's varlen kernel."""
+def _varlen_func():
     from flash_attn import flash_attn_varlen_func
 
+    return flash_attn_varlen_func
+
+
+def flash_varlen(q, k, v, cu_seqlens, max_len, *, causal, fn=None):
+    """(N, h, D) -> (N, h, D) via flash-attn's varlen kernel (``fn``: another function with its
+    signature, e.g. :mod:`knapformer.testing.flash_rules`' stand-in)."""
+    flash_attn_varlen_func = fn or _varlen_func()
     if q.shape[0] == 0 or cu_seqlens.numel() < 2:
         return empty_output(q, k, v)
     cu = device_bounds(cu_seqlens, q.device)
     return flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=causal)
 
 
-def flash_cross(q, k, v, cu_q: list[int], cu_k: list[int]) -> torch.Tensor:
+def flash_cross(q, k, v, cu_q: list[int], cu_k: list[int], *, fn=None) -> torch.Tensor:
     """Separate q/k bounds in one varlen call; an empty context goes through SDPA's form
     (flash's answer for it is undefined)."""
-    from flash_attn import flash_attn_varlen_func
-
     from knapformer.attention.sdpa import sdpa_cross
+
+    flash_attn_varlen_func = fn or _varlen_func()
 
     lq = [e - s for s, e in zip(cu_q[:-1], cu_q[1:])]
     lk = [e - s for s, e in zip(cu_k[:-1], cu_k[1:])]
@@ -78,10 +84,10 @@ def flash_cross(q, k, v, cu_q: list[int], cu_k: list[int]) -> torch.Tensor:
     )
 
 
-def flash_qk(q, k, v, cu_q: list[int], cu_k: list[int], *, causal: bool) -> torch.Tensor:
+def flash_qk(q, k, v, cu_q: list[int], cu_k: list[int], *, causal: bool, fn=None) -> torch.Tensor:
     """Separate q/k bounds in one varlen call; causal is bottom-right aligned in flash-attn
     (since 2.1), as ``pre_attn``'s contract asks."""
-    from flash_attn import flash_attn_varlen_func
+    flash_attn_varlen_func = fn or _varlen_func()
 
     lq = [e - s for s, e in zip(cu_q[:-1], cu_q[1:])]
     lk = [e - s for s, e in zip(cu_k[:-1], cu_k[1:])]

@@ -39,9 +39,20 @@ import torch
 
 from knapformer.attention.blockwise import _expand, block_backward, block_forward, compute_dtype
 
-__all__ = ["KERNELS", "LseKernel", "block_kernel", "choose_kernel", "kernel_conditions", "kernel_report"]
+__all__ = [
+    "KERNELS",
+    "LseKernel",
+    "block_kernel",
+    "choose_kernel",
+    "flash_attn_backward",
+    "flash_attn_forward",
+    "kernel_conditions",
+    "kernel_report",
+    "parameter_names",
+]
 
 _HALF = (torch.float16, torch.bfloat16)
+
 
 
 @dataclass(frozen=True)
@@ -206,16 +217,47 @@ def _cuda_efficient_conditions(device: str, dtype: torch.dtype, d: int, dv: int)
 # -- flash-attn -------------------------------------------------------------------------------
 
 
-def _flash_attn_forward(q, k, v, causal):
-    from flash_attn import flash_attn_func
+def _flash_attn():
+    import flash_attn
+    import flash_attn.flash_attn_interface  # noqa: F401  (the backward lives there)
 
-    o, lse, _ = flash_attn_func(q[None], k[None], v[None], causal=causal, return_attn_probs=True)
+    return flash_attn
+
+
+def flash_attn_forward(q, k, v, causal, *, fa=None):
+    """A block through ``flash_attn_func(return_attn_probs=True)`` (``fa``: a module shaped like
+    ``flash_attn``, e.g. the tests' stand-in; default the installed one)."""
+    fa = fa or _flash_attn()
+    o, lse, _ = fa.flash_attn_func(q[None], k[None], v[None], causal=causal, return_attn_probs=True)
     return o[0].to(compute_dtype(q)), lse[0, :, : q.shape[0]].to(compute_dtype(q))
 
 
-def _flash_attn_backward(do, q, k, v, o, lse, causal):
-    from flash_attn import flash_attn_interface as fa
+def parameter_names(fn) -> list[str]:
+    """The named parameters of ``fn``: from its signature; for a ``torch.library`` custom op
+    (flash-attn ≥ 2.7 wraps ``_flash_attn_backward`` in one, whose signature reads
+    ``(*args, **kwargs)``) from the function it wraps, or from its schema."""
 
+    def named(f) -> list[str]:
+        try:
+            params = inspect.signature(f).parameters.values()
+        except (TypeError, ValueError):
+            return []
+        return [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+    names = named(fn)
+    if names:
+        return names
+    inner = getattr(fn, "_init_fn", None)
+    if inner is not None and named(inner):
+        return named(inner)
+    schema = getattr(getattr(fn, "_opoverload", None), "_schema", None)
+    return [a.name for a in schema.arguments] if schema is not None else []
+
+
+def flash_attn_backward(do, q, k, v, o, lse, causal, *, fa=None):
+    """A block's gradients through flash-attn's ``_flash_attn_backward``, whose argument list
+    differs between releases (matched by name, :func:`parameter_names`)."""
+    fa = (fa or _flash_attn()).flash_attn_interface
     bw = fa._flash_attn_backward
     dq, dk, dv = (torch.empty_like(t[None]) for t in (q, k, v))
     given = {
@@ -239,7 +281,9 @@ def _flash_attn_backward(do, q, k, v, o, lse, causal):
         "deterministic": False,
         "rng_state": None,
     }
-    names = inspect.signature(bw).parameters  # the argument list differs between releases
+    names = parameter_names(bw)
+    if not names:
+        raise TypeError("flash-attn's _flash_attn_backward: its parameters cannot be read")
     bw(**{n: given[n] for n in names if n in given})
     dt = compute_dtype(q)
     return dq[0].to(dt), dk[0].to(dt), dv[0].to(dt)
@@ -269,7 +313,7 @@ def _flash_attn_importable() -> bool:
 KERNELS: dict[str, LseKernel] = {
     k.name: k
     for k in (
-        LseKernel("flash_attn", _flash_attn_forward, _flash_attn_backward, _flash_attn_conditions),
+        LseKernel("flash_attn", flash_attn_forward, flash_attn_backward, _flash_attn_conditions),
         LseKernel("cuda_flash", _cuda_flash_forward, _cuda_flash_backward, _cuda_flash_conditions),
         LseKernel("cuda_efficient", _cuda_efficient_forward, _cuda_efficient_backward, _cuda_efficient_conditions),
         LseKernel("cpu_flash", _cpu_forward, _cpu_backward, _cpu_conditions),

@@ -22,8 +22,11 @@ BACKENDS: dict[str, str] = {
     "sdpa": "knapformer.attention.sdpa:BACKEND",
     "sdpa_mask": "knapformer.attention.sdpa_mask:BACKEND",
     "flash": "knapformer.attention.flash:BACKEND",
+    "flash2_rules": "knapformer.testing.flash_rules:BACKEND",
 }
-"""Backend name -> ``module:attribute`` of its :class:`Backend` (imported on first use)."""
+"""Backend name -> ``module:attribute`` of its :class:`Backend` (imported on first use).
+``flash2_rules`` is knapformer's flash-attn code on a CPU stand-in that enforces flash-attn
+2's argument rules (:mod:`knapformer.testing.flash_rules`): for tests; ``auto`` never picks it."""
 
 BACKEND_NAMES: tuple[str, ...] = ("auto", *BACKENDS)
 """Every value ``attn_backend`` accepts: the backends and ``auto`` (the best usable one)."""

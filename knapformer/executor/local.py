@@ -10,8 +10,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NoReturn
 
+import numpy as np
 import torch
 
+from knapformer.attention.bounds import host_bounds, upload
 from knapformer.attention.varlen import varlen_attention
 from knapformer.executor.opaque import attend, register_kind
 from knapformer.executor.protocol import (
@@ -46,15 +48,23 @@ class LocalExecutor:
     def __init__(self, seq_lens: Sequence[int], attn_backend: str = "auto") -> None:
         self.seq_lens = [int(v) for v in seq_lens]
         self.attn_backend = attn_backend
-        self._cu = torch.tensor(
-            [0, *torch.tensor(self.seq_lens, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32
-        )
+        bounds = np.concatenate([[0], np.cumsum(self.seq_lens, dtype=np.int64)])
+        self._host = bounds.tolist()
+        # no sequences: one empty segment (flash-attn 2 refuses a batch of zero)
+        self._bounds = bounds if len(bounds) > 1 else np.zeros(2, dtype=np.int64)
+        self._on: dict[str, torch.Tensor] = {}  # bounds per device, uploaded once
         self._pending = ""
         self._pre_shape: tuple | None = None
 
+    def _cu_on(self, device) -> torch.Tensor:
+        key = str(device)
+        if key not in self._on:
+            self._on[key] = upload(self._bounds, device)
+        return self._on[key]
+
     @property
     def num_tokens(self) -> int:
-        return int(self._cu[-1])
+        return self._host[-1]
 
     def _raise_pending(self) -> None:
         if self._pending:
@@ -77,10 +87,10 @@ class LocalExecutor:
 
     def attention(self, q, k, v, causal: bool = False):
         if torch.compiler.is_compiling():  # one opaque operator: no graph break, no recompile per step
-            return attend("local", q, k, v, [self._cu.to(q.device)], causal=causal, backend=self.attn_backend)
+            return attend("local", q, k, v, [self._cu_on(q.device)], causal=causal, backend=self.attn_backend)
         self._raise_pending()
         return varlen_attention(
-            q, k, v, self._cu.to(q.device), max(self.seq_lens, default=0), causal=causal, backend=self.attn_backend
+            q, k, v, self._cu_on(q.device), max(self.seq_lens, default=0), causal=causal, backend=self.attn_backend
         )
 
     def pre_attn(self, q, k, v, causal: bool | None = None) -> VarlenArgs:
@@ -90,7 +100,7 @@ class LocalExecutor:
         if q.shape[0] != self.num_tokens:
             raise ValueError(f"pre_attn: q has {q.shape[0]} rows; this executor has {self.num_tokens} tokens")
         self._pre_shape = (q.shape[0], q.shape[1], v.shape[2])
-        cu, mx = self._cu.to(q.device), max(self.seq_lens, default=0)
+        cu, mx = self._cu_on(q.device), max(self.seq_lens, default=0)
         return VarlenArgs(q, k, v, cu, cu, mx, mx)
 
     def post_attn(self, o):
@@ -139,7 +149,8 @@ class LocalExecutor:
 
 def _local_kind(owner, q, k, v, extra, causal, backend):
     cu = extra[0]
-    max_len = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    host = host_bounds(cu)  # registered when the executor uploaded it: no device read
+    max_len = max((b - a for a, b in zip(host[:-1], host[1:])), default=0)
     return varlen_attention(q, k, v, cu, max_len, causal=causal, backend=backend)
 
 
