@@ -59,3 +59,21 @@ def test_the_opaque_operator_keeps_no_graph_without_gradients():
     assert len(opaque._GRAPHS) == 0 and qg.grad is not None
     want = torch.autograd.grad(ex.attention(q.requires_grad_(), q, q).sum(), q)[0]
     assert torch.allclose(qg.grad, want, atol=1e-6)
+
+
+def test_the_opaque_operator_keeps_a_graph_edge_not_the_output_and_is_cudagraph_unsafe():
+    """What waits for the backward is the graph's edge, not a copy of the layer's output (the
+    returned output is the computed one), and the operator tells reduce-overhead it cannot be
+    captured in a CUDA graph."""
+    import torch
+
+    from knapformer.executor import LocalExecutor, opaque
+
+    ex = LocalExecutor([3, 5])
+    q = torch.randn(8, 2, 4, requires_grad=True)
+    o, key = torch.ops.knapformer.attend(q, q, q, [], "local", ex._opaque, False, "auto", True)
+    edge, inputs = opaque._GRAPHS[int(key)]
+    assert isinstance(edge, torch.autograd.graph.GradientEdge) and not any(t is o for t in inputs)
+    opaque._GRAPHS.pop(int(key))
+    for op in (torch.ops.knapformer.attend.default, torch.ops.knapformer.attend_backward.default):
+        assert torch.Tag.cudagraph_unsafe in op.tags

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from knapformer.attention.backend import Backend, check_gqa, empty_output
 from knapformer.attention.bounds import host_bounds
 
-__all__ = ["BACKEND", "lower_right_mask", "sdpa_cross", "sdpa_per_sequence", "sdpa_qk"]
+__all__ = ["BACKEND", "lower_right_bias", "lower_right_mask", "sdpa_cross", "sdpa_per_sequence", "sdpa_qk"]
 
 
 def sdpa_per_sequence(q, k, v, cu_seqlens, max_len, *, causal):
@@ -66,6 +65,15 @@ def lower_right_mask(nq: int, nk: int, device=None) -> torch.Tensor:
     return torch.ones(nq, nk, dtype=torch.bool, device=device).tril(diagonal=nk - nq)
 
 
+def lower_right_bias(nq: int, nk: int):
+    """The bottom-right causal mask as SDPA's ``causal_lower_right`` bias (no dense mask on a
+    GPU). Imported here: ``torch.nn.attention.bias`` imports ``torch._dynamo`` (~1.2 s of every
+    rank's start)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    return causal_lower_right(nq, nk)
+
+
 def sdpa_qk(q, k, v, cu_q: list[int], cu_k: list[int], *, causal: bool) -> torch.Tensor:
     """Segment i's queries over segment i's keys, one SDPA each; causal: bottom-right aligned
     (:func:`lower_right_mask`'s mask, given to SDPA as a ``causal_lower_right`` bias). A
@@ -84,7 +92,7 @@ def sdpa_qk(q, k, v, cu_q: list[int], cu_k: list[int], *, causal: bool) -> torch
             continue
         # a bottom-right causal bias, not a dense (nq, nk) mask: on a GPU SDPA runs it without
         # materialising one (the memory-efficient kernel takes the alignment)
-        mask = causal_lower_right(nq, nk) if causal and nq != nk else None
+        mask = lower_right_bias(nq, nk) if causal and nq != nk else None
         qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (qs, ks, vs))
         o = F.scaled_dot_product_attention(
             qs, ks, vs, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=gqa

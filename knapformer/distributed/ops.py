@@ -11,7 +11,7 @@ function           input                        output                       bac
 =================  ===========================  ===========================  ==================
 route              (T, *F) any dtype            (R, *F) same dtype           reverse route
 reverse_route      (R, *F)                      (T, *F)                      route
-gather_sequences   (n_local, *F)                (n_group, *F)                reverse (summed)
+gather_sequences   (n_local, *F)                (n_group, *F)                all-reduce, own rows
 =================  ===========================  ===========================  ==================
 
 Several tensors routed together share one collective per dtype: they are flattened to
@@ -185,16 +185,52 @@ def reverse_route(tensors: Sequence[torch.Tensor], spec: RouteSpec, group=None) 
     )
 
 
+class _GatherRows(torch.autograd.Function):
+    """Every rank's rows (n_r, w) -> all of them in rank order: one even all-gather of rows
+    padded to the longest rank (a ring on NCCL: no connection between every pair of ranks, and
+    one copy of the rows per rank instead of S); backward: the gradient all-reduced (summed over
+    every rank's use of the rows), this rank's rows of it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, counts: list[int], rank: int, group) -> torch.Tensor:  # type: ignore[override]
+        ctx.counts, ctx.rank, ctx.group = counts, rank, group
+        width = max(max(counts), 1)
+        padded = x.new_zeros((width, x.shape[1]))
+        padded[: x.shape[0]] = x
+        parts = [torch.empty_like(padded) for _ in counts]
+        with trace.span(f"{trace.EXCHANGE}.gather_sequences"):
+            lifetime.collective(
+                lambda: dist.all_gather(parts, padded, group=group), (padded, *parts), "gather_sequences", group
+            )
+        return torch.cat([p[:n] for p, n in zip(parts, counts)])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        grad = grad.contiguous().clone()
+        with trace.span(f"{trace.EXCHANGE}.gather_sequences.backward"):
+            lifetime.collective(
+                lambda: dist.all_reduce(grad, group=ctx.group), (grad,), "gather_sequences backward", ctx.group
+            )
+        start = sum(ctx.counts[: ctx.rank])
+        return grad[start : start + ctx.counts[ctx.rank]], None, None, None
+
+
 def gather_sequences(tensors: Sequence[torch.Tensor], counts: list[int], rank: int, group=None) -> list[torch.Tensor]:
-    """Per-sequence rows (n_rank, *F) from every rank -> (sum(counts), *F) in group order.
-    One all-to-all that sends this rank's rows to every rank; backward sums the gradients
-    each copy received (an all-gather whose backward works on gloo too)."""
-    S = len(counts)
-    return _packed_exchange(
-        tensors,
-        [counts[rank]] * S,
-        list(counts),
-        group,
-        before=lambda t: _rows_by_features(t).repeat(S, 1),
-        name="gather_sequences",
-    )
+    """Per-sequence rows (n_rank, *F) from every rank -> (sum(counts), *F) in group order,
+    one all-gather per dtype (tensors of one dtype travel together, flattened to rows);
+    differentiable (backward: the gradients summed over the ranks that used each row)."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    for idx in by_dtype.values():
+        flat = [_rows_by_features(tensors[i]) for i in idx]
+        widths = [f.shape[1] for f in flat]
+        packed = flat[0].contiguous() if len(flat) == 1 else torch.cat(flat, dim=1)
+        as_bytes = packed.dtype == torch.bool
+        moved = _GatherRows.apply(packed.view(torch.uint8) if as_bytes else packed, list(counts), rank, group)
+        moved = moved.view(torch.bool) if as_bytes else moved
+        for i, piece in zip(idx, torch.split(moved, widths, dim=1)):
+            t = tensors[i]
+            out[i] = piece.unflatten(1, t.shape[1:]) if t.dim() > 1 else piece.reshape(-1)
+    return out  # type: ignore[return-value]

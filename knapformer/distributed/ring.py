@@ -288,8 +288,11 @@ class _RingAttention(torch.autograd.Function):
                     kk, vv = _kv_split(flat, _rows(b, sub), ks[i].shape[1], ks[i].shape[2], v.shape[2])
                     _forward_pairs(b, sub, q, kk, vv, outs[i], lses[i], sched.causal, kernels[i])
         ctx.sched, ctx.world, ctx.group, ctx.kernels = sched, world, group, kernels
-        ctx.save_for_backward(*qs, *ks, *vs, *outs, *lses)
         results = [o.to(dtype) for o in outs]
+        # the outputs are saved in the activations' dtype, not the fp32 they were merged in (half
+        # the memory under bf16): the backward needs them only for δ = Σ do ⊙ o, which
+        # flash-attn's backward also takes from the rounded output; the log-sum-exp stays fp32
+        ctx.save_for_backward(*qs, *ks, *vs, *results, *lses)
         return (*results, through.view_as(through))
 
     @staticmethod
@@ -307,7 +310,7 @@ class _RingAttention(torch.autograd.Function):
         def exchange(j: int) -> _Exchange:
             return _Exchange(sched, j, [own[i] for i, _ in sched.sends[j - 1]], widths, world, group, dtype, device)
 
-        deltas = [(do.to(o.dtype) * o).sum(-1).transpose(0, 1) for do, o in zip(dos, outs)]
+        deltas = [(do.to(lse.dtype) * o.to(lse.dtype)).sum(-1).transpose(0, 1) for do, o, lse in zip(dos, outs, lses)]
         dq = [torch.zeros(q.shape, dtype=compute_dtype(q), device=device) for q in qs]
         dk = [torch.zeros(k.shape, dtype=compute_dtype(q), device=device) for q, k in zip(qs, ks)]
         dv = [torch.zeros(v.shape, dtype=compute_dtype(q), device=device) for q, v in zip(qs, vs)]

@@ -13,9 +13,9 @@ from typing import NoReturn
 import numpy as np
 import torch
 
-from knapformer.attention.bounds import host_bounds, upload
+from knapformer.attention.bounds import upload
 from knapformer.attention.varlen import varlen_attention
-from knapformer.executor.opaque import attend, register_kind
+from knapformer.executor.opaque import attend, owner_handle, register_kind
 from knapformer.executor.protocol import (
     RoutedContext,
     VarlenArgs,
@@ -55,6 +55,7 @@ class LocalExecutor:
         self._on: dict[str, torch.Tensor] = {}  # bounds per device, uploaded once
         self._pending = ""
         self._pre_shape: tuple | None = None
+        self._opaque = owner_handle(self)  # how the compiled operator finds this executor
 
     def _cu_on(self, device) -> torch.Tensor:
         key = str(device)
@@ -87,7 +88,7 @@ class LocalExecutor:
 
     def attention(self, q, k, v, causal: bool = False):
         if torch.compiler.is_compiling():  # one opaque operator: no graph break, no recompile per step
-            return attend("local", q, k, v, [self._cu_on(q.device)], causal=causal, backend=self.attn_backend)
+            return attend("local", q, k, v, owner=self._opaque, causal=causal, backend=self.attn_backend)
         self._raise_pending()
         return varlen_attention(
             q, k, v, self._cu_on(q.device), max(self.seq_lens, default=0), causal=causal, backend=self.attn_backend
@@ -148,10 +149,8 @@ class LocalExecutor:
 
 
 def _local_kind(owner, q, k, v, extra, causal, backend):
-    cu = extra[0]
-    host = host_bounds(cu)  # registered when the executor uploaded it: no device read
-    max_len = max((b - a for a, b in zip(host[:-1], host[1:])), default=0)
-    return varlen_attention(q, k, v, cu, max_len, causal=causal, backend=backend)
+    cu, longest = owner._cu_on(q.device), max(owner.seq_lens, default=0)
+    return varlen_attention(q, k, v, cu, longest, causal=causal, backend=backend)
 
 
 register_kind("local", _local_kind)

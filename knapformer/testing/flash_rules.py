@@ -28,7 +28,8 @@ import types
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
+
+from knapformer.attention.sdpa import lower_right_bias
 
 __all__ = ["BACKEND", "check_tensors", "check_varlen", "fake_flash_attn"]
 
@@ -104,7 +105,7 @@ def flash_attn_varlen_func(
             outs.append(q.new_zeros((nq, q.shape[1], v.shape[2])))
             continue
         qs, ks, vs = (t.transpose(0, 1)[None] for t in (q[qa:qb], k[ka:kb], v[ka:kb]))
-        mask = causal_lower_right(nq, nk) if causal and nq != nk else None
+        mask = lower_right_bias(nq, nk) if causal and nq != nk else None
         o = F.scaled_dot_product_attention(
             qs, ks, vs, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=rep > 1, scale=softmax_scale
         )
