@@ -53,20 +53,18 @@ def make_sample(f, h, w, txt, seed, *, pad=0, glyph=0, glyph_pad=0, image=0, r=F
 
 
 def stock_forward(model, s):
-    """The stock forward of one sample: masks of ones where the sample has none, a masked-out
-    zero byT5 row when it has no glyph text and zero SigLIP rows for T2V (what the pipeline
-    passes; the stock forward needs all three)."""
-    one = torch.ones(1, dtype=torch.bool)
-    text, mask = s.text, s.text_mask if s.text_mask is not None else torch.ones(s.text.shape[0], dtype=torch.bool)
+    """The stock forward of one sample: masks of ones where the sample has none, zero rows
+    where it has no byT5 text or no image tokens (the stock forward needs all three inputs), and
+    one masked-out row where it has no MLLM text (zero rows would make the stock processor's
+    ``[:-0]`` slice drop every video token when the sample has no other context)."""
+    c = model.config
+    ones = lambda n: torch.ones(n, dtype=torch.bool)  # noqa: E731
+    text, mask = s.text, s.text_mask if s.text_mask is not None else ones(s.text.shape[0])
     if text.shape[0] == 0:
-        text, mask = torch.zeros(1, text.shape[1], dtype=text.dtype), ~one
-    t2 = s.text_2 if s.text_2 is not None else torch.zeros(1, model.config.text_embed_2_dim, dtype=torch.float64)
-    m2 = s.text_2_mask if s.text_2_mask is not None else (one.expand(t2.shape[0]) if s.text_2 is not None else ~one)
-    img = (
-        s.image_embeds
-        if s.image_embeds is not None
-        else torch.zeros(2, model.config.image_embed_dim, dtype=torch.float64)
-    )
+        text, mask = torch.zeros(1, text.shape[1], dtype=text.dtype), ~ones(1)
+    t2 = s.text_2 if s.text_2 is not None else torch.zeros(0, c.text_embed_2_dim, dtype=torch.float64)
+    m2 = s.text_2_mask if s.text_2_mask is not None else ones(t2.shape[0])
+    img = s.image_embeds if s.image_embeds is not None else torch.zeros(0, c.image_embed_dim, dtype=torch.float64)
     return model(
         hidden_states=s.latents[None],
         timestep=s.timestep[None],

@@ -1,39 +1,35 @@
 """Packed, variable-length (and balanced) forward of a stock diffusers ``HunyuanVideo15Transformer3DModel``.
 
-    from knapformer.integrations.hunyuanvideo15 import HunyuanVideo15Sample, hunyuanvideo15_seq_lens
-    from knapformer.integrations.hunyuanvideo15 import packed_hunyuanvideo15_forward
-    bal.plan(hunyuanvideo15_seq_lens(samples))               # once per step: video + context tokens
-    outs = packed_hunyuanvideo15_forward(model, samples, bal)  # list of (C_out, F, H, W) tensors
+    from knapformer.integrations import hunyuanvideo15 as hv
+    bal.plan(hv.hunyuanvideo15_seq_lens(model, samples))         # once per step: video + context tokens
+    outs = hv.packed_hunyuanvideo15_forward(model, samples, bal)  # list of (C_out, F, H, W) tensors
 
 Each sample brings its own frame count (an image is one frame), resolution, timestep and the
-model's three kinds of conditioning, each with its own length: the MLLM text (Qwen2.5-VL
-states, refined by the model's token refiner), the byT5 glyph text, and for I2V the SigLIP
-image tokens. The model's own modules and weights do all the math; nothing is patched globally
-(:mod:`knapformer.integrations.hunyuanvideo15_attention` has the processor and hooks). How:
+model's three kinds of conditioning, each of its own length: MLLM text (Qwen2.5-VL states,
+refined by the model's token refiner), byT5 glyph text, and for I2V SigLIP image tokens. The
+model's own modules and weights do all the math; nothing is patched globally (the processor
+and hooks are in :mod:`knapformer.integrations.hunyuanvideo15_attention`). How:
 
-- **Conditioning at home**, per sample, as the stock forward builds it: the refiner runs over
-  each sample's kept MLLM text (its pooled mean, its time embedding, self-attention within the
-  sample); byT5 and image tokens go through their projections; each kind adds its
-  ``cond_type_embed`` row. Masked-out rows are dropped (the stock model moves them behind the
-  kept ones and masks them: they never reach a kept token). A sample whose ``image_embeds``
-  are absent or all zero is text-to-video: the stock model masks its image tokens out.
-- **One packed stream per sample**: its video tokens (the model's ``Conv3d`` patch embedding)
-  then its context tokens, routed right after embedding with integer (frame, row, column)
-  positions; the 3-D RoPE of each routed video token comes from the stock
-  ``get_1d_rotary_pos_embed`` at its position.
-- **Per-sample modulation at stock cost**: the time embedding runs once per sample and is
-  gathered to the group (``gather_sequences``); every AdaLN ``linear(silu(temb))`` runs once per
-  sample this rank holds tokens of, expanded to tokens by index ("batch = tokens": activations
-  are ``[T, 1, D]``).
-- Blocks run as their own ``forward`` (FSDP2 per block, ``gradient_checkpointing``); attention
-  within each sample goes through the executor.
+- **Conditioning at home**, as the stock forward builds it per sample: the refiner over the
+  sample's kept MLLM rows (their mean, its time embedding, self-attention within the sample),
+  the byT5 and image projections, each kind's ``cond_type_embed`` row. Masked-out rows are
+  dropped (the stock model masks them: they never reach a kept token). Absent or all-zero
+  ``image_embeds`` make a sample text-to-video (the stock model masks its image tokens out).
+- **One packed stream per sample**: its video tokens (the stock patch embedding), then its
+  context, routed right after embedding with integer (frame, row, column) positions; each
+  routed video token's RoPE is the stock ``get_1d_rotary_pos_embed`` at its position.
+- **Per-sample modulation at stock cost**: the time embedding runs once per sample, is gathered
+  to the group, and every AdaLN ``linear(silu(temb))`` runs once per sample this rank holds
+  tokens of, expanded to tokens by index ("batch = tokens": activations are ``[T, 1, D]``).
+  Blocks run as their own ``forward`` (FSDP2 per block, ``gradient_checkpointing``).
 
-Not exact to a *batched* stock call in one respect: the stock forward decides text-to-video for
-the whole batch (``torch.all(image_embeds == 0)``), so in a batch that mixes I2V and T2V samples
-the T2V samples' zero image tokens are attended to. Per sample (what this reproduces, and what
-a stock batch of one computes) a T2V sample has none. fp64 outputs and gradients equal the
-stock per-sample forward to fp64 rounding except where the stock RoPE's fp32 rotation rounds a
-last-bit difference (ring plans): see the docs.
+Where it differs from a stock *batch*: the stock forward decides text-to-video for the whole
+batch (``torch.all(image_embeds == 0)``), so a batch mixing I2V and T2V samples attends to the
+T2V samples' zero image tokens; per sample (here, and in a stock batch of one) it does not.
+Where it differs from the stock per-sample forward: a sample with no MLLM text makes the stock
+refiner average over no token (0/0), so its gradients are NaN; here the refiner runs on none
+of that sample's tokens. Otherwise fp64 outputs and gradients agree to ~1e-14 (ring plans:
+the fp32 RoPE may round an attention's last-bit difference, ~1e-9).
 
 Legend: T tokens (this rank's routed ones after routing), S samples, D hidden size.
 Importing knapformer never imports diffusers; this module does (diffusers >= 0.36, < 0.43).
@@ -60,7 +56,13 @@ from knapformer.integrations._diffusers import (
     stack_scalars,
 )
 from knapformer.integrations.family import ModelFamily, StepInputs, block_runner
-from knapformer.integrations.hunyuanvideo15_attention import HunyuanPacked, PerSample, prepare_hunyuanvideo15, rope_rows
+from knapformer.integrations.hunyuanvideo15_attention import (
+    HunyuanPacked,
+    PerSample,
+    prepare_hunyuanvideo15,
+    refine_text,
+    rope_rows,
+)
 from knapformer.models.layers import merge_streams, split_streams
 from knapformer.workload import WorkloadModel
 
@@ -146,9 +148,7 @@ def _released() -> DiffusersHunyuanVideo15Config:
 class HunyuanVideo15Sample:
     """One training sample for a HunyuanVideo 1.5 model (no batch dimension anywhere)."""
 
-    latents: (
-        torch.Tensor
-    )  # (C_in, F, H, W): noisy latents + condition latents + mask channels, as the pipeline joins them
+    latents: torch.Tensor  # (C_in, F, H, W): noisy + condition latents + mask, as the pipeline joins them
     text: torch.Tensor  # (L, text_embed_dim) MLLM states
     timestep: torch.Tensor  # () in stock units (0..1000)
     text_mask: torch.Tensor | None = None
@@ -209,10 +209,8 @@ def build_hunyuanvideo15(cfg: DiffusersHunyuanVideo15Config):
 # -- per-sample pieces ---------------------------------------------------------------------------------
 def _kept(rows: torch.Tensor | None, mask) -> torch.Tensor:
     """Indices of the kept rows of an optional (L, *) tensor under an optional (L,) mask."""
-    if rows is None:
-        return torch.zeros(0, dtype=torch.int64)
-    if mask is None:
-        return torch.arange(int(rows.shape[0]))
+    if rows is None or mask is None:
+        return torch.arange(0 if rows is None else int(rows.shape[0]))
     return torch.nonzero(torch.as_tensor(mask).reshape(-1).to(torch.bool).cpu()).flatten()
 
 
@@ -223,19 +221,14 @@ def _image_rows(s: HunyuanVideo15Sample) -> int:
 
 
 def _grid(model, latents: torch.Tensor) -> tuple[int, int, int]:
-    c = model.config
-    _, f, h, w = latents.shape
+    c, (_, f, h, w) = model.config, latents.shape
     return f // c.patch_size_t, h // c.patch_size, w // c.patch_size
 
 
 def _parts(model, s: HunyuanVideo15Sample) -> tuple[int, int, int, int]:
     """(video, image, byT5, MLLM) tokens of a sample as the packed forward lays them out."""
-    return (
-        math.prod(_grid(model, s.latents)),
-        _image_rows(s),
-        int(_kept(s.text_2, s.text_2_mask).numel()),
-        int(_kept(s.text, s.text_mask).numel()),
-    )
+    glyph, mllm = _kept(s.text_2, s.text_2_mask).numel(), _kept(s.text, s.text_mask).numel()
+    return math.prod(_grid(model, s.latents)), _image_rows(s), int(glyph), int(mllm)
 
 
 def hunyuanvideo15_seq_lens(model, samples: Sequence[HunyuanVideo15Sample]) -> list[int]:
@@ -279,25 +272,6 @@ def _problem(model, samples: Sequence[HunyuanVideo15Sample]) -> str:
 
 
 # -- forward -------------------------------------------------------------------------------------------
-def _refine(model, samples, ts, dtype, device) -> torch.Tensor:
-    """Each sample's kept MLLM rows through the stock token refiner, within the sample (local)."""
-    ce = model.context_embedder
-    keep = [_kept(s.text, s.text_mask) for s in samples]
-    lens = [int(k.numel()) for k in keep]
-    rows = cat_or_empty(
-        [s.text.index_select(0, k) for s, k in zip(samples, keep)], (0, ce.proj_in.in_features), device, dtype
-    )
-    seg, _ = local_positions(lens, device)
-    counts = torch.tensor(lens, device=device, dtype=dtype).clamp(min=1)  # no text: a finite unused mean
-    pooled = rows.new_zeros(len(samples), rows.shape[1]).index_add(0, seg, rows) / counts[:, None]
-    h = ce.proj_in(rows).unsqueeze(1)  # (T_txt, 1, D)
-    temb = PerSample(ce.time_text_embed(ts, pooled), {"txt": seg})
-    attend = HunyuanPacked(LocalExecutor(lens))
-    for block in ce.token_refiner.refiner_blocks:
-        h = call_block(model, block, h, temb, attend)
-    return h[:, 0]
-
-
 def _time(model, samples, ts, dtype, device) -> torch.Tensor:
     """(S, D) time embeddings (plus the MeanFlow reference embedding of samples that have one)."""
     te = model.time_embed
@@ -336,7 +310,8 @@ def packed_hunyuanvideo15_forward(
     img = model.image_embedder(cat_or_empty(imgs, (0, c.image_embed_dim), device, dtype))
     b5 = [s.text_2.index_select(0, _kept(s.text_2, s.text_2_mask)) for s in samples if s.text_2 is not None]
     b5 = model.context_embedder_2(cat_or_empty(b5, (0, c.text_embed_2_dim), device, dtype))
-    txt = _refine(model, samples, ts, dtype, device)
+    mllm = [s.text.index_select(0, _kept(s.text, s.text_mask)) for s in samples]
+    txt = refine_text(model, mllm, ts, device, dtype)
     kinds = torch.cat([torch.full((n.shape[0],), k, device=device) for k, n in ((2, img), (1, b5), (0, txt))])
     ctx = torch.cat([img, b5, txt]) + model.cond_type_embed(kinds.long())
     h_local = torch.cat([vid, ctx]).index_select(0, _order(parts, device))

@@ -15,6 +15,8 @@
   ``linear`` expands the result to the stream's tokens by index: the stock FLOPs. A plain
   tensor passes through untouched.
 
+- :func:`refine_text`: the stock token refiner over each sample's MLLM text, packed.
+
 Used by :mod:`knapformer.integrations.hunyuanvideo15`.
 """
 
@@ -24,10 +26,17 @@ from dataclasses import dataclass
 
 import torch
 
-from knapformer.executor import TokenExecutor
-from knapformer.integrations._diffusers import require_diffusers
+from knapformer.executor import LocalExecutor, TokenExecutor, local_positions
+from knapformer.integrations._diffusers import call_block, cat_or_empty, require_diffusers
 
-__all__ = ["HunyuanPacked", "PackedHunyuanAttnProcessor", "PerSample", "prepare_hunyuanvideo15", "rope_rows"]
+__all__ = [
+    "HunyuanPacked",
+    "PackedHunyuanAttnProcessor",
+    "PerSample",
+    "prepare_hunyuanvideo15",
+    "refine_text",
+    "rope_rows",
+]
 
 
 @dataclass(eq=False)
@@ -156,3 +165,23 @@ def rope_rows(model, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         for i, d in enumerate(r.rope_dim)
     ]
     return torch.cat([a[0] for a in axes], dim=1), torch.cat([a[1] for a in axes], dim=1)
+
+
+def refine_text(model, rows: list[torch.Tensor], ts: torch.Tensor, device, dtype) -> torch.Tensor:
+    """The stock token refiner (``context_embedder``) over each sample's kept MLLM rows
+    (``rows[i]``: (L_i, text_embed_dim)) with its timestep ``ts[i]``, packed on this rank: the
+    pooled mean of the sample's rows, its time + text embedding, self-attention within the
+    sample. -> (sum L_i, D). A sample with no rows gets a zero mean (the stock 0/0 is NaN) that
+    no token uses."""
+    ce = model.context_embedder
+    lens = [int(r.shape[0]) for r in rows]
+    x = cat_or_empty(rows, (0, ce.proj_in.in_features), device, dtype)
+    seg, _ = local_positions(lens, device)
+    counts = torch.tensor(lens, device=device, dtype=dtype).clamp(min=1)
+    pooled = x.new_zeros(len(rows), x.shape[1]).index_add(0, seg, x) / counts[:, None]
+    h = ce.proj_in(x).unsqueeze(1)  # (T_txt, 1, D)
+    temb = PerSample(ce.time_text_embed(ts, pooled), {"txt": seg})
+    attend = HunyuanPacked(LocalExecutor(lens))
+    for block in ce.token_refiner.refiner_blocks:
+        h = call_block(model, block, h, temb, attend)
+    return h[:, 0]
