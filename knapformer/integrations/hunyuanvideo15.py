@@ -75,6 +75,7 @@ __all__ = [
     "hunyuanvideo15_seq_lens",
     "hunyuanvideo15_workload",
     "packed_hunyuanvideo15_forward",
+    "prepare_hunyuanvideo15",
     "samples_from_batch",
 ]
 
