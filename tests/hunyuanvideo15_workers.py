@@ -131,6 +131,7 @@ CASES = {
     ),
     "auto-empty-rank-i2v": ("auto", 2, "", [[dict(f=3, h=6, w=6, txt=3, image=4)], []]),
     "ring": ("auto", 1, "", [[dict(f=4, h=8, w=7, txt=5, pad=2)], [dict(f=1, h=2, w=2, txt=2)]]),
+    "g1n2-idle-rank": ("g1n2", 2, "", [[dict(f=2, h=2, w=3, txt=2, glyph=1, image=1)], []]),  # rank 1: no token
     "fsdp-checkpointing": (
         "auto",
         2,

@@ -129,12 +129,14 @@ CASES = {
     "auto-empty-rank": ("auto", [[((1, 8, 8),), 4, 0, 0]], "plain", 2, ""),
     "ring": ("auto", [[((1, 16, 14),), 6, 0, 0], [((1, 2, 3),), 2, 0, 0]], "plain", 1, ""),
     "edit-fsdp-checkpointing": ("auto", [[((1, 6, 6), (1, 4, 3)), 3, 1, 0]], "edit-zero-cond-t", 2, "fsdp+ckpt"),
+    "g1n2-idle-rank": ("g1n2", [[((1, 3, 4),), 2, 0, 0]], "plain", 2, ""),  # rank 1 holds no token at all
 }
 _RANK1 = {  # rank 1's samples per case ("auto-empty-rank": none)
     "auto": [[((1, 2, 4),), 0, 0, 0]],
     "auto-empty-rank": [],
     "ring": [[((1, 3, 1),), 1, 0, 0]],
     "edit-fsdp-checkpointing": [[((1, 2, 2), (1, 2, 1)), 2, 1, 0]],
+    "g1n2-idle-rank": [],
 }
 
 

@@ -182,6 +182,7 @@ def test_balanced_equals_stock_on_two_ranks():
     assert 2 in res[0]["auto"]["sizes"] and res[1]["auto-empty-rank-i2v"]["routed"] > 0
     assert res[0]["ring"]["rings"] == [2], res[0]["ring"]
     assert all(r["fsdp-checkpointing"]["routed"] > 0 for r in res)
+    assert res[1]["g1n2-idle-rank"]["routed"] == 0
     for case in range(2):
         assert [r["bad"][case][0] for r in res] == ["BalancerInputError"] * 2, [r["bad"][case] for r in res]
         assert all("bad input on rank(s) [1]" in r["bad"][case][1] for r in res)
@@ -189,6 +190,7 @@ def test_balanced_equals_stock_on_two_ranks():
 
 
 def test_simulator_calibrator_and_cluster_know_the_presets():
+    from knapformer.cluster import ModelShape
     from knapformer.integrations.registry import model_config, preset_names
     from knapformer.tools.calibrate import calibrate
     from knapformer.tools.sim_config import SimConfig
@@ -197,6 +199,7 @@ def test_simulator_calibrator_and_cluster_know_the_presets():
     assert {"diffusers-hunyuanvideo15-tiny", "diffusers-hunyuanvideo15-8.3b"} <= set(preset_names())
     big = model_config("diffusers-hunyuanvideo15-8.3b")
     assert (big.dim, big.num_heads, big.num_layers, big.in_dim, big.out_dim) == (2048, 16, 54, 65, 32)
+    assert ModelShape.from_config(big).workload().num_layers == 54  # what `knapformer cluster --model` reads
     rep = simulate(
         SimConfig(
             ranks=2,

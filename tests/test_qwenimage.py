@@ -137,6 +137,7 @@ def test_balanced_equals_stock_on_two_ranks():
     assert 2 in res[0]["auto"]["sizes"] and res[1]["auto-empty-rank"]["routed"] > 0
     assert res[0]["ring"]["rings"] == [2], res[0]["ring"]
     assert all(r["edit-fsdp-checkpointing"]["routed"] > 0 for r in res)
+    assert res[1]["g1n2-idle-rank"]["routed"] == 0
     for case in range(2):
         assert [r["bad"][case][0] for r in res] == ["BalancerInputError"] * 2, [r["bad"][case] for r in res]
         assert all("bad input on rank(s) [1]" in r["bad"][case][1] for r in res)
@@ -144,6 +145,7 @@ def test_balanced_equals_stock_on_two_ranks():
 
 
 def test_simulator_calibrator_and_cluster_know_the_presets(tmp_path):
+    from knapformer.cluster import ModelShape
     from knapformer.integrations.registry import model_config, preset_names
     from knapformer.tools.calibrate import calibrate
     from knapformer.tools.sim_config import SimConfig
@@ -152,6 +154,7 @@ def test_simulator_calibrator_and_cluster_know_the_presets(tmp_path):
     assert {"diffusers-qwenimage-tiny", "diffusers-qwenimage-20b"} <= set(preset_names())
     big = model_config("diffusers-qwenimage-20b")
     assert (big.dim, big.num_heads, big.num_layers, big.in_dim, big.out_dim) == (3072, 24, 60, 64, 64)
+    assert ModelShape.from_config(big).workload().num_layers == 60  # what `knapformer cluster --model` reads
     rep = simulate(
         SimConfig(
             ranks=2,

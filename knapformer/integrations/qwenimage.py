@@ -123,10 +123,11 @@ class DiffusersQwenImageConfig:
 
 
 def _qwen_image_20b() -> DiffusersQwenImageConfig:
-    """Qwen-Image (and -Edit, -Edit-2509: the same sizes), from the released
-    ``Qwen/Qwen-Image`` ``transformer/config.json`` (diffusers' defaults are the same numbers):
-    60 layers of 24 heads × 128, in_channels 64, out_channels 16, patch 2, joint_attention_dim
-    3584, axes_dims_rope (16, 56, 56)."""
+    """Qwen-Image's released size (20.4B parameters; -Edit, -Edit-2509 and -Layered share it),
+    from the ``QwenImageTransformer2DModel`` ``transformer/config.json`` published with the
+    models on the Hugging Face Hub, also diffusers' defaults: 60 layers of 24 heads × 128,
+    in_channels 64, out_channels 16, patch 2, joint_attention_dim 3584, axes_dims_rope
+    (16, 56, 56)."""
     return DiffusersQwenImageConfig(
         num_heads=24,
         head_dim=128,
