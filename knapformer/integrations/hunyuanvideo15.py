@@ -28,8 +28,8 @@ batch (``torch.all(image_embeds == 0)``), so a batch mixing I2V and T2V samples 
 T2V samples' zero image tokens; per sample (here, and in a stock batch of one) it does not.
 Where it differs from the stock per-sample forward: a sample with no MLLM text makes the stock
 refiner average over no token (0/0), so its gradients are NaN; here the refiner runs on none
-of that sample's tokens. Otherwise fp64 outputs and gradients agree to ~1e-14 (ring plans:
-the fp32 RoPE may round an attention's last-bit difference, ~1e-9).
+of that sample's tokens. Otherwise fp64 outputs and gradients agree to ~1e-14 (under ring
+plans the fp32 RoPE may round an attention's last-bit difference, as for Qwen-Image).
 
 Legend: T tokens (this rank's routed ones after routing), S samples, D hidden size.
 Importing knapformer never imports diffusers; this module does (diffusers >= 0.36, < 0.43).

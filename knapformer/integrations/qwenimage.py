@@ -30,7 +30,7 @@ patched globally. How:
 
 Exactness: fp64 outputs and gradients equal the stock per-sample forward to ~1e-15. The stock
 RoPE rotates in fp32, so where the attention sums in another order (a ring plan) the next
-layer may round that last bit either way: ~1e-9. Not in the packed path: ControlNet residuals,
+layer may round that last bit either way: ~1e-9 (gradients ~5e-8). Not in the packed path: ControlNet residuals,
 ``attention_kwargs`` of your own, ``guidance`` (the stock branch for it cannot run).
 
 Legend: T tokens (this rank's routed ones after routing), S samples, D hidden size.
