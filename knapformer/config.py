@@ -30,6 +30,8 @@ __all__ = ["ATTN_BACKENDS", "ATTN_PATHS", "BalancerConfig"]
 ATTN_BACKENDS = BACKEND_NAMES
 """Attention backend names: the registry's (``knapformer.attention.registry``) plus ``auto``."""
 ATTN_PATHS = ("auto", "attention", "pre_attn")
+TIMER_MODES = ("auto", "cpu", "wall", "cuda")
+"""``BalancerConfig.timer`` values (:mod:`knapformer.distributed.timing`)."""
 """Values of ``BalancerConfig.attn_path``."""
 
 
@@ -78,17 +80,27 @@ class BalancerConfig:
     two exchanges (a checkpoint written on one rank, an evaluation pass, a slow first
     compilation)."""
     debug: bool = False
-    """Expensive checks: every per-layer call agrees on its shapes across ranks (a host sync
-    per layer). Off, errors are still raised on every rank at the per-step agreement points."""
+    """Expensive checks: every per-layer call (``attention``, ``pre_attn``, ``post_attn``)
+    agrees on its shapes across ranks (a rendezvous of the whole group per call, so a bad layer
+    raises at that call on every rank), and each plan's digest is agreed. Off (the default), the
+    step's first per-layer call agrees, the first step of each kind agrees at every call and
+    records them, and later steps check their calls locally against that record: a bad or
+    divergent call on one rank runs the recorded call on zeros and every rank raises at the
+    step's next agreement (``reverse_route``) — no rendezvous per layer (docs/failures.md)."""
     solver_options: SolverOptions = field(default_factory=SolverOptions)
     """Iteration counts and tie-breaking of the solvers."""
     time_budget_s: float | None = None
     """Planning budget per step for solvers that take one (``moldable``: more candidate plans,
     counted at a fixed rate so every rank plans the same ones). None = the solver's default."""
     measure: bool = False
-    """Time each rank's balanced region of every step (route to the end of its backward: thread
-    CPU time on CPU, CUDA events read a step later on GPU); the seconds ride on the gather the
-    next ``plan`` does anyway and appear in the telemetry."""
+    """Time each rank's own work in every step (route to the end of its backward, without the
+    time spent waiting for other ranks in knapformer's exchanges; ``timer`` says how); the
+    seconds ride on the gather the next ``plan`` does anyway and appear in the telemetry."""
+    timer: str = "auto"
+    """How ``measure`` times (:mod:`knapformer.distributed.timing`): ``auto`` (CUDA events on
+    CUDA tensors, read one step later without a device synchronisation; thread CPU time on
+    CPU), ``cuda``, ``cpu``, or ``wall`` (wall clock between exchanges: what CUDA events
+    measure, on CPU)."""
     recalibrate: bool = False
     """Refit the cost model from the measured steps and plan with it (implies ``measure``)."""
     estimate_speed: bool = False
@@ -129,6 +141,8 @@ class BalancerConfig:
             raise TypeError(f"BalancerConfig.debug must be a bool, got {self.debug!r}")
         if not isinstance(self.solver_options, SolverOptions):
             raise TypeError("BalancerConfig.solver_options must be a SolverOptions")
+        if self.timer not in TIMER_MODES:
+            raise ValueError(f"BalancerConfig.timer must be one of {list(TIMER_MODES)}, got {self.timer!r}")
         for name in ("measure", "recalibrate", "estimate_speed"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"BalancerConfig.{name} must be a bool, got {getattr(self, name)!r}")

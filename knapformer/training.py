@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 import knapformer.distributed.lifetime as lifetime
+from knapformer.distributed.backends import control_device
 
 __all__ = ["global_mean_loss", "init_restartable", "sum_gradients"]
 
@@ -33,9 +34,9 @@ _REDUCTIONS = ("mean", "sum")
 
 
 def _count_device(group) -> torch.device:
-    return (
-        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    )
+    """The host when the group has a CPU backend (reading the count back is then no device
+    sync), else the group's device."""
+    return control_device(group)
 
 
 def global_mean_loss(
@@ -67,22 +68,44 @@ def global_mean_loss(
 
 
 def sum_gradients(
-    params: Iterable[torch.nn.Parameter] | torch.nn.Module, group: dist.ProcessGroup | None = None
+    params: Iterable[torch.nn.Parameter] | torch.nn.Module,
+    group: dist.ProcessGroup | None = None,
+    *,
+    bucket_mb: float = 25.0,
 ) -> None:
-    """All-reduce (SUM) every parameter's gradient over ``group``: plain data parallel, one
-    flat buffer per dtype (what DDP's buckets do), safe at exit (see
-    :mod:`knapformer.distributed.lifetime`). Parameters without a gradient are skipped."""
+    """All-reduce (SUM) every parameter's gradient over ``group``: plain data parallel, in
+    flat buckets of at most ``bucket_mb`` MiB per dtype (what DDP's buckets do: one copy of a
+    bucket at a time, not of every gradient), safe at exit (see
+    :mod:`knapformer.distributed.lifetime`). Parameters without a gradient are skipped; a
+    gradient larger than a bucket is reduced in place on its own."""
     if isinstance(params, torch.nn.Module):
         params = params.parameters()
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
+        raise ValueError(f"bucket_mb must be a positive number, got {bucket_mb!r}")
+    limit = bucket_mb * 2**20
+    buckets: dict[torch.dtype, list[list[torch.Tensor]]] = {}
     for p in params:
-        if p.grad is not None:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-    for grads in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        lifetime.collective(lambda flat=flat: dist.all_reduce(flat, group=group), (flat,), "sum_gradients", group)
-        for g, part in zip(grads, torch.split(flat, [g.numel() for g in grads])):
-            g.copy_(part.view_as(g))
+        g = p.grad
+        if g is None:
+            continue
+        rows = buckets.setdefault(g.dtype, [[]])
+        if rows[-1] and sum(t.numel() for t in rows[-1]) * g.element_size() + g.numel() * g.element_size() > limit:
+            rows.append([])
+        rows[-1].append(g)
+    for rows in buckets.values():
+        for grads in rows:
+            _reduce_bucket(grads, group)
+
+
+def _reduce_bucket(grads: list[torch.Tensor], group) -> None:
+    if len(grads) == 1 and grads[0].is_contiguous():
+        flat = grads[0]
+        lifetime.collective(lambda: dist.all_reduce(flat, group=group), (flat,), "sum_gradients", group)
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    lifetime.collective(lambda: dist.all_reduce(flat, group=group), (flat,), "sum_gradients", group)
+    for g, part in zip(grads, torch.split(flat, [g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
 
 
 def init_restartable(backend: str = "gloo", *, timeout_s: float = 600.0) -> int:

@@ -192,3 +192,39 @@ def count_collectives(rank: int, world: int, measure: bool) -> dict:
         for name, fn in real.items():
             setattr(dist, name, fn)
     return {"per_step": per_step, "measured": bal.last_step.measured_s if bal.last_step else None}
+
+
+def wall_clock_loop(rank: int, world: int, steps: int, layout: str, pause_exchanges: bool = True) -> dict:
+    """``timer="wall"`` (a gloo collective blocks the host like a CUDA stream waits for NCCL):
+    rank 1 sleeps inside every block (a slow GPU), the prior's γ is 50x too large, lengths
+    differ between ranks; the cost model is refitted online with speeds estimated. Returns
+    every rank's measured seconds per step, the final speeds and whether the online fit moved
+    off the prior. ``pause_exchanges=False`` times the whole region instead (what CUDA events
+    around the region measured: the slowest peer on every rank)."""
+    import time
+
+    import knapformer.distributed.timing as timing
+
+    if not pause_exchanges:
+        timing.pause = timing.resume = lambda: None
+    torch.manual_seed(0)
+    model = Transformer(CFG)
+    if rank == 1:
+        for block in model.blocks:
+            block.register_forward_hook(lambda *_: time.sleep(0.02))
+    prior = WorkloadModel(d_model=64, gamma=50.0, num_layers=CFG.num_layers)
+    bal = SequenceBalancer(
+        BalancerConfig(
+            layout=layout, cost=prior, timer="wall", recalibrate=True, estimate_speed=True, recalibrate_warmup=1
+        )
+    )
+    records = []
+    bal.on_step(records.append)
+    for step in range(steps):
+        _train_step(model, bal, rank, world, step, None)
+    bal.flush()
+    return {
+        "measured": [r.measured_s for r in records],
+        "speeds": list(bal.planning_config.rank_speed or []),
+        "moved": _digest(bal.online_model()) != _digest(prior),
+    }

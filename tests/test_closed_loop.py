@@ -163,3 +163,66 @@ def test_timing_off_adds_no_collective(world):
     on = run_distributed(W.count_collectives, world, True, timeout=120)
     assert off[0]["per_step"] == on[0]["per_step"]  # the seconds ride on plan's own gather
     assert off[0]["measured"] is None and all(s > 0 for s in on[0]["measured"])
+
+
+def test_wall_clock_timing_measures_each_ranks_own_work_and_finds_the_slow_rank():
+    """Wall-clock timing between exchanges (how CUDA events behave): the fast rank's waits for
+    the slow one are not its work, so the ranks' times differ (g2n1: both ranks hold the same
+    work), and from a wrong prior with unequal work (auto) the fit moves and the slow rank's
+    speed is estimated below the other's. Timing the whole region instead makes every rank
+    measure the slowest one (the failure on CUDA this replaces)."""
+    same_work = run_distributed(W.wall_clock_loop, 2, 3, "g2n1", timeout=180)
+    for measured in same_work[0]["measured"][1:]:
+        assert measured[1] > 1.5 * measured[0], same_work[0]["measured"]
+    region = run_distributed(W.wall_clock_loop, 2, 3, "g2n1", False, timeout=180)
+    for measured in region[0]["measured"][1:]:
+        assert abs(measured[1] - measured[0]) < 0.25 * max(measured), region[0]["measured"]
+    for r in run_distributed(W.wall_clock_loop, 2, 6, "auto", timeout=180):
+        assert r["moved"], r
+        assert r["speeds"][1] < 0.7 * r["speeds"][0], r["speeds"]
+
+
+def test_cuda_events_are_read_a_step_late_and_an_unstamped_end_is_nan(monkeypatch):
+    """CUDA-mode timing with events that follow CUDA's rules (``elapsed_time`` raises on an
+    event never recorded): seconds come one step late, summed over the segments between
+    exchanges; a step whose end was never stamped (route inputs without gradients) is NaN."""
+    import math
+
+    import torch
+
+    import knapformer.distributed.timing as timing
+
+    class Event:
+        clock = [0.0]
+
+        def __init__(self):
+            self.t = None
+
+        def record(self):
+            Event.clock[0] += 1.0
+            self.t = Event.clock[0]
+
+        def query(self):
+            return self.t is not None
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            if self.t is None or other.t is None:
+                raise RuntimeError("CUDA error: the event was never recorded")
+            return 1e3 * (other.t - self.t)
+
+    monkeypatch.setattr(timing, "_cuda_event", Event)
+    t = timing.StepTimer("cuda")
+    t.start(torch.device("cpu"))  # events 1; an exchange: 2 (pause), 3 (resume); stop: 4, then 5
+    timing.pause()
+    timing.resume()
+    t.stop()
+    assert math.isnan(t.seconds()) and t.lag == 1  # not read yet: a step late
+    t.start(torch.device("cpu"))  # a step whose end is never stamped
+    assert t.seconds() == 2.0  # the first step: segments 1-2 and 3-4
+    t.start(torch.device("cpu"))
+    t.stop()
+    assert math.isnan(t.seconds())  # the unstamped step: NaN, no exception
+    assert t.drain() == [1.0]

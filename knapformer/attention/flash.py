@@ -1,6 +1,10 @@
 """``flash``: flash-attn's varlen kernels (CUDA, fp16/bf16), imported on first use.
 
-``auto`` prefers it whenever it can run; nothing is imported when knapformer is.
+``auto`` prefers it whenever it can run; nothing is imported when knapformer is. flash-attn 2
+refuses a batch of zero sequences (``cu_seqlens`` of one entry): a rank with nothing to
+compute never calls it (:func:`knapformer.attention.varlen_attention` and the cross and split
+forms return zeros joined to the graph). Bounds reach it as the device tensors the plan
+uploaded once (:mod:`knapformer.attention.bounds`): no host-to-device copy per call.
 """
 
 from __future__ import annotations
@@ -9,7 +13,7 @@ import functools
 
 import torch
 
-from knapformer.attention.backend import Backend
+from knapformer.attention.backend import Backend, empty_output
 
 __all__ = ["BACKEND", "flash_available", "flash_cross", "flash_qk", "flash_varlen"]
 
@@ -34,11 +38,24 @@ def _unavailable(q: torch.Tensor) -> str | None:
     return None
 
 
+def device_bounds(cu, device: torch.device) -> torch.Tensor:
+    """``cu`` (a tensor, or :class:`~knapformer.attention.bounds.Bounds` carrying one) as the
+    int32 contiguous tensor on ``device`` flash-attn takes; copied only when it is not one."""
+    t = getattr(cu, "tensor", cu)
+    if isinstance(t, torch.Tensor) and t.device == device and t.dtype == torch.int32 and t.is_contiguous():
+        return t
+    if isinstance(t, torch.Tensor):
+        return t.to(device=device, dtype=torch.int32).contiguous()
+    return torch.tensor(list(cu), dtype=torch.int32, device=device)
+
+
 def flash_varlen(q, k, v, cu_seqlens, max_len, *, causal):
     """(N, h, D) -> (N, h, D) via flash-attn's varlen kernel."""
     from flash_attn import flash_attn_varlen_func
 
-    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    if q.shape[0] == 0 or cu_seqlens.numel() < 2:
+        return empty_output(q, k, v)
+    cu = device_bounds(cu_seqlens, q.device)
     return flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=causal)
 
 
@@ -51,17 +68,13 @@ def flash_cross(q, k, v, cu_q: list[int], cu_k: list[int]) -> torch.Tensor:
 
     lq = [e - s for s, e in zip(cu_q[:-1], cu_q[1:])]
     lk = [e - s for s, e in zip(cu_k[:-1], cu_k[1:])]
+    if q.shape[0] == 0 or not lq:
+        return empty_output(q, k, v)
     if any(a and not b for a, b in zip(lq, lk)):
         return sdpa_cross(q, k, v, cu_q, cu_k)
     dev = q.device
     return flash_attn_varlen_func(
-        q,
-        k,
-        v,
-        torch.tensor(cu_q, device=dev, dtype=torch.int32),
-        torch.tensor(cu_k, device=dev, dtype=torch.int32),
-        max(lq, default=0),
-        max(lk, default=0),
+        q, k, v, device_bounds(cu_q, dev), device_bounds(cu_k, dev), max(lq, default=0), max(lk, default=0)
     )
 
 
@@ -72,13 +85,15 @@ def flash_qk(q, k, v, cu_q: list[int], cu_k: list[int], *, causal: bool) -> torc
 
     lq = [e - s for s, e in zip(cu_q[:-1], cu_q[1:])]
     lk = [e - s for s, e in zip(cu_k[:-1], cu_k[1:])]
+    if q.shape[0] == 0 or not lq:
+        return empty_output(q, k, v)
     dev = q.device
     return flash_attn_varlen_func(
         q,
         k,
         v,
-        torch.tensor(cu_q, device=dev, dtype=torch.int32),
-        torch.tensor(cu_k, device=dev, dtype=torch.int32),
+        device_bounds(cu_q, dev),
+        device_bounds(cu_k, dev),
         max(lq, default=0),
         max(lk, default=0),
         causal=causal,

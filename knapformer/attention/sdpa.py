@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from knapformer.attention.backend import Backend, check_gqa, empty_output
+from knapformer.attention.bounds import host_bounds
 
 __all__ = ["BACKEND", "lower_right_mask", "sdpa_cross", "sdpa_per_sequence", "sdpa_qk"]
 
@@ -17,7 +19,7 @@ __all__ = ["BACKEND", "lower_right_mask", "sdpa_cross", "sdpa_per_sequence", "sd
 def sdpa_per_sequence(q, k, v, cu_seqlens, max_len, *, causal):
     """(N, h, D) -> (N, h, Dv): one SDPA per sequence."""
     gqa = check_gqa(q, k, v)
-    cu = cu_seqlens.tolist()
+    cu = host_bounds(cu_seqlens)  # the host copy the plan registered: no device read
     lens = [e - s for s, e in zip(cu[:-1], cu[1:])]
     if sum(lens) != q.shape[0]:
         raise ValueError(f"cu_seqlens covers {sum(lens)} tokens but q has {q.shape[0]}")
@@ -66,8 +68,9 @@ def lower_right_mask(nq: int, nk: int, device=None) -> torch.Tensor:
 
 def sdpa_qk(q, k, v, cu_q: list[int], cu_k: list[int], *, causal: bool) -> torch.Tensor:
     """Segment i's queries over segment i's keys, one SDPA each; causal: bottom-right aligned
-    (:func:`lower_right_mask`). A segment without queries is skipped; one without keys gives
-    zeros (attention over nothing adds nothing)."""
+    (:func:`lower_right_mask`'s mask, given to SDPA as a ``causal_lower_right`` bias). A
+    segment without queries is skipped; one without keys gives zeros (attention over nothing
+    adds nothing)."""
     gqa = check_gqa(q, k, v)
     lq = [e - s for s, e in zip(cu_q[:-1], cu_q[1:])]
     lk = [e - s for s, e in zip(cu_k[:-1], cu_k[1:])]
@@ -79,7 +82,9 @@ def sdpa_qk(q, k, v, cu_q: list[int], cu_k: list[int], *, causal: bool) -> torch
         if nk == 0:
             outs.append(qs.new_zeros((nq, qs.shape[1], vs.shape[2])))
             continue
-        mask = lower_right_mask(nq, nk, q.device) if causal and nq != nk else None
+        # a bottom-right causal bias, not a dense (nq, nk) mask: on a GPU SDPA runs it without
+        # materialising one (the memory-efficient kernel takes the alignment)
+        mask = causal_lower_right(nq, nk) if causal and nq != nk else None
         qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (qs, ks, vs))
         o = F.scaled_dot_product_attention(
             qs, ks, vs, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=gqa

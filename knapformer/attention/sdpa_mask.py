@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from knapformer.attention.backend import Backend, check_gqa, empty_output
+from knapformer.attention.bounds import host_bounds
 
 __all__ = ["BACKEND", "sdpa_block_diagonal"]
 
@@ -20,10 +21,12 @@ def sdpa_block_diagonal(q, k, v, cu_seqlens, max_len, *, causal):
     N = q.shape[0]
     if N == 0:
         return empty_output(q, k, v)
-    lens = torch.diff(cu_seqlens.to(torch.int64))
-    if int(lens.sum()) != N:
-        raise ValueError(f"cu_seqlens covers {int(lens.sum())} tokens but q has {N}")
-    seg = torch.repeat_interleave(torch.arange(lens.numel(), device=q.device), lens.to(q.device))
+    cu = host_bounds(cu_seqlens)
+    lens = [e - s for s, e in zip(cu[:-1], cu[1:])]
+    if sum(lens) != N:
+        raise ValueError(f"cu_seqlens covers {sum(lens)} tokens but q has {N}")
+    counts = torch.diff(cu_seqlens.long())
+    seg = torch.repeat_interleave(torch.arange(len(lens), device=q.device), counts, output_size=N)
     mask = seg[:, None] == seg[None, :]
     if causal:
         mask &= torch.ones(N, N, dtype=torch.bool, device=q.device).tril()

@@ -23,13 +23,26 @@ import hashlib
 import json
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 import knapformer.distributed.lifetime as lifetime
+from knapformer.attention.bounds import to_device
+from knapformer.distributed.backends import control_device
 from knapformer.errors import BalancerInputError, DivergentCallError, PlanMismatchError
 
-__all__ = ["Call", "agree", "describe", "digest62", "gather_text", "group_device", "signature"]
+__all__ = [
+    "Call",
+    "agree",
+    "describe",
+    "describe_parts",
+    "digest62",
+    "gather_ints",
+    "gather_text",
+    "group_device",
+    "signature",
+]
 
 
 def digest62(text: str | bytes) -> int:
@@ -39,10 +52,29 @@ def digest62(text: str | bytes) -> int:
 
 
 def group_device(group) -> torch.device:
-    """Where small tensors of ``group``'s collectives live (CUDA for NCCL, else CPU)."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """Where small tensors of ``group``'s collectives live: the host when the group has a CPU
+    backend (gloo, also beside NCCL), else the group's device (:mod:`.backends`)."""
+    return control_device(group)
+
+
+def _host_table(t: torch.Tensor) -> np.ndarray:
+    """A gathered control tensor's values on the host (a read of host memory for host tensors,
+    which the control group uses whenever it can: no device synchronisation)."""
+    return (t if t.device.type == "cpu" else t.cpu()).numpy()
+
+
+def gather_ints(control, values: list[int], counts: list[int], phase: str) -> np.ndarray:
+    """Every rank's ``values`` (rank r has ``counts[r]`` of them, known to all), concatenated in
+    rank order: one even all-gather of int64 rows padded to the longest."""
+    size = len(counts)
+    width = max(max(counts, default=0), 1)
+    row = np.zeros(width, dtype=np.int64)
+    row[: len(values)] = values
+    t = to_device(torch.from_numpy(row), group_device(control))
+    parts = [torch.empty_like(t) for _ in range(size)]
+    lifetime.collective(lambda: dist.all_gather(parts, t, group=control), (t, *parts), phase, control)
+    table = _host_table(torch.stack(parts))
+    return np.concatenate([table[r, : counts[r]] for r in range(size)]) if size else np.zeros(0, dtype=np.int64)
 
 
 def signature(tensors, names=None) -> tuple[tuple[str, str], ...]:
@@ -58,11 +90,13 @@ def signature(tensors, names=None) -> tuple[tuple[str, str], ...]:
 
 def describe(t: torch.Tensor) -> str:
     """``float32 (·, 4, 16)``: dtype and shape with the token dimension left open."""
-    return _describe(t.dtype, tuple(t.shape[1:]), t.dim())
+    return describe_parts(t.dtype, tuple(t.shape[1:]))
 
 
 @functools.lru_cache(maxsize=1024)
-def _describe(dtype: torch.dtype, trailing: tuple[int, ...], ndim: int) -> str:
+def describe_parts(dtype: torch.dtype, trailing: tuple[int, ...]) -> str:
+    """:func:`describe` of a tensor of ``dtype`` whose trailing shape is ``trailing``."""
+    ndim = len(trailing) + 1
     dims = ", ".join(["·", *map(str, trailing)]) + ("," if ndim == 1 else "")
     return f"{str(dtype).removeprefix('torch.')} ({dims})"
 
@@ -106,11 +140,10 @@ def agree(group, call: Call, error: str = "", *, plan: int = 0, control=None, wh
     what this rank's ``error`` is about (the message says "bad <what>")."""
     control = group if control is None else control
     row = _row(call, error, plan)
-    device = group_device(control)
-    t = torch.tensor(row, dtype=torch.int64, device=device)
+    t = to_device(torch.from_numpy(np.asarray(row, dtype=np.int64)), group_device(control))
     phase = call.op if call.op in ("plan", "use_plan") else f"{call.op} (its agreement)"
     lifetime.collective(lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control), (t,), phase, control)
-    m = t.cpu().tolist()
+    m = _host_table(t).tolist()
     if m[0] == 0 and all(m[i] == -m[i + 1] for i in range(1, len(m), 2)):
         return
     _raise(control, call, error, plan, what)
@@ -120,17 +153,18 @@ def gather_text(control, text: str) -> list[str]:
     """Every rank's ``text`` (two even-sized all-gathers: lengths, then padded bytes)."""
     device = group_device(control)
     size = dist.get_world_size(control)
-    data = torch.tensor(list(text.encode()), dtype=torch.uint8)
-    n = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    data = np.frombuffer(text.encode(), dtype=np.uint8)
+    n = to_device(torch.from_numpy(np.asarray([data.size], dtype=np.int64)), device)
     lens = [torch.empty_like(n) for _ in range(size)]
     lifetime.collective(lambda: dist.all_gather(lens, n, group=control), (n, *lens), "error report", control)
-    width = max(int(x) for x in lens)
-    buf = torch.zeros(max(width, 1), dtype=torch.uint8)
-    buf[: data.numel()] = data
-    buf = buf.to(device)
-    parts = [torch.empty_like(buf) for _ in range(size)]
-    lifetime.collective(lambda: dist.all_gather(parts, buf, group=control), (buf, *parts), "error report", control)
-    return [bytes(p[: int(k)].cpu().tolist()).decode() for p, k in zip(parts, lens)]
+    sizes = _host_table(torch.cat(lens)).tolist()
+    buf = np.zeros(max(max(sizes), 1), dtype=np.uint8)
+    buf[: data.size] = data
+    t = to_device(torch.from_numpy(buf), device)
+    parts = [torch.empty_like(t) for _ in range(size)]
+    lifetime.collective(lambda: dist.all_gather(parts, t, group=control), (t, *parts), "error report", control)
+    table = _host_table(torch.stack(parts))
+    return [bytes(table[r, :k]).decode() for r, k in enumerate(sizes)]
 
 
 def _by_value(values: list[str], form: str) -> str:
@@ -153,6 +187,11 @@ def _raise(control, call: Call, error: str, plan: int, what: str) -> None:
     if bad:
         reasons = "; ".join(f"rank {r}: {table[r]['error']}" for r in bad) if len(bad) > 1 else table[bad[0]]["error"]
         what = table[bad[0]]["what"]
+        if what == "divergent":  # a call only some ranks made, found against the step's schedule
+            raise DivergentCallError(
+                f"{where}: ranks made different calls on rank(s) {bad} (this is rank {me}): {reasons}. Every rank "
+                "of the group must make the same exchanges in the same order each step"
+            )
         raise BalancerInputError(f"{where}: bad {what} on rank(s) {bad} (this is rank {me}): {reasons}")
     calls = [Call(d["op"], d["index"], d["step"]).describe() for d in table]
     if len(set(calls)) > 1:

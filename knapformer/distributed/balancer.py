@@ -25,18 +25,19 @@ import os
 from collections.abc import Sequence
 from typing import NoReturn
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 import knapformer.distributed.compiled as compiled
 import knapformer.distributed.cross as cross
-import knapformer.distributed.lifetime as lifetime
 import knapformer.distributed.ops as ops
 import knapformer.distributed.trace as trace
 import knapformer.distributed.ulysses as ulysses
 from knapformer.config import BalancerConfig
-from knapformer.distributed.agree import digest62, group_device
+from knapformer.distributed.agree import digest62, gather_ints, gather_text, group_device
 from knapformer.distributed.attention_calls import AttentionCalls
+from knapformer.distributed.backends import device_problem, uses_nccl
 from knapformer.distributed.checks import StepChecks, as_lengths
 from knapformer.distributed.closed_loop import ClosedLoop
 from knapformer.distributed.compiled import eager_only
@@ -112,11 +113,16 @@ class SequenceBalancer(AttentionCalls):
         """The settings this balancer was built with (the closed loop never rewrites them)."""
         self.group = groups.group
         self.group_rank = dist.get_rank(self.group)
-        self._checks = StepChecks(self.group, groups.control, self.group_rank)
+        self._checks = StepChecks(self.group, groups.control, self.group_rank, debug=config.debug)
+        self._checks.player = self._play  # joins the exchanges of a scheduled call this rank did not make
         self._loop = ClosedLoop(config)
         self._plan: Plan | None = None
         self._spec: RouteSpec | None = None
         self._call: ulysses.UlyssesCall | None = None  # the last pre_attn, for post_attn
+        self._expected: tuple | None = None  # post_attn's output shape after a pre_attn run on zeros
+        self._played = None  # what the last call run on zeros returned
+        self._data_device = group_device(self.group)  # where the data tensors were last seen
+        self._devices: list[str] | None = None  # every rank's "host/device", once the first route saw them
         self._kv_gather = config.attn_path == "pre_attn"  # plans price pre_attn's K/V all-gather
         self._opaque = owner_handle(self)  # how torch.compile's operators find this balancer
 
@@ -166,33 +172,26 @@ class SequenceBalancer(AttentionCalls):
             return self._plan_step(local_seq_lens)
 
     def _plan_step(self, local_seq_lens: Sequence[int]) -> Plan:
-        device = group_device(self.group)
         S = self.layout.group_size
+        control = self._checks.control  # host tensors (the group's gloo, or its gloo twin): no device sync
         error, lens = "", []
         try:
             lens = list(validate_lengths(as_lengths(local_seq_lens), "local_seq_lens"))
         except ValueError as exc:
             error = str(exc)
         try:
-            self._checks.agree("plan", error, what="local_seq_lens")
+            self._checks.agree("plan", error, what="local_seq_lens", play=False)
         except BalancerInputError:
             self._drop_plan()
             raise
         # the previous step's measured seconds ride on the gather of the lengths' counts
-        head = torch.tensor([len(lens), self._loop.seconds_bits()], dtype=torch.int64, device=device)
-        heads = [torch.empty_like(head) for _ in range(S)]
-        lifetime.collective(lambda: dist.all_gather(heads, head, group=self.group), (head, *heads), "plan", self.group)
-        heads_t = torch.stack(heads).cpu()
-        self._loop.finish_step(self._loop.measured(heads_t[:, 1]))  # the previous step's telemetry
-        counts = heads_t[:, 0].tolist()
-        padded = torch.zeros(max(max(counts), 1), dtype=torch.int64, device=device)
-        if lens:
-            padded[: len(lens)] = torch.tensor(lens, dtype=torch.int64)
-        gathered = [torch.empty_like(padded) for _ in range(S)]
-        lifetime.collective(
-            lambda: dist.all_gather(gathered, padded, group=self.group), (padded, *gathered), "plan", self.group
-        )
-        all_lens = ValidLens(tuple(g[:c].tolist()) for g, c in zip(torch.stack(gathered).cpu(), counts))
+        heads = gather_ints(control, [len(lens), self._loop.seconds_bits()], [2] * S, "plan").reshape(S, 2)
+        if self._loop.ready:  # the previous step's telemetry (with CUDA events: the one before)
+            self._loop.finish_step(self._loop.measured(heads[:, 1]))
+        counts = heads[:, 0].tolist()
+        flat = gather_ints(control, lens, counts, "plan").tolist()
+        offsets = np.concatenate([[0], np.cumsum(counts)]).tolist()
+        all_lens = ValidLens(tuple(flat[offsets[r] : offsets[r + 1]]) for r in range(S))
         cfg = self._loop.planning
         problem = PlanProblem(  # lengths were validated on their own ranks and agreed above
             seq_lens=all_lens,
@@ -248,7 +247,7 @@ class SequenceBalancer(AttentionCalls):
             error = f"{type(exc).__name__}: {exc}"
         self._checks.new_step(digest62(plan.digest()) if spec is not None else 0, agreed=False)
         try:
-            self._checks.agree("use_plan", error)
+            self._checks.agree("use_plan", error, play=False)
         except BalancerInputError:
             self._drop_plan()
             raise
@@ -287,11 +286,12 @@ class SequenceBalancer(AttentionCalls):
         all-gather) instead of at the next ``plan``; returns it."""
         if not self._loop.waiting:
             return self.last_step
-        self._checks.agree("flush")
-        t = torch.tensor([self._loop.seconds_bits()], dtype=torch.int64, device=group_device(self.group))
-        rows = [torch.empty_like(t) for _ in range(dist.get_world_size(self.group))]
-        lifetime.collective(lambda: dist.all_gather(rows, t, group=self.group), (t, *rows), "flush", self.group)
-        self._loop.finish_step(self._loop.measured(torch.cat(rows).cpu()))
+        self._checks.agree("flush", play=False)
+        bits = self._loop.drain_bits()
+        S = dist.get_world_size(self.group)
+        table = gather_ints(self._checks.control, bits, [len(bits)] * S, "flush").reshape(S, len(bits))
+        for j in range(table.shape[1]):  # oldest first
+            self._loop.finish_step(self._loop.measured(table[:, j]))
         return self.last_step
 
     # -- resumable state -------------------------------------------------------------------------
@@ -329,7 +329,7 @@ class SequenceBalancer(AttentionCalls):
             digest = json.dumps(state, sort_keys=True)
         except (TypeError, ValueError) as exc:
             error, digest = f"load_state_dict: {exc}", "?"
-        self._checks.agree("load_state_dict", error, (("state", str(digest62(digest))),))
+        self._checks.agree("load_state_dict", error, (("state", str(digest62(digest))),), play=False)
         self._loop.load_state_dict(state["closed_loop"], state.get("group_size"))
         self._checks.step = int(state["step"])
 
@@ -366,8 +366,22 @@ class SequenceBalancer(AttentionCalls):
             if [int(n) for n in seq_lens] != planned:
                 error = f"the tensors are laid out as sequences {list(seq_lens)[:8]}..., planned {planned[:8]}..."
         self._checks.tensors("route", tensors, spec.num_local, error=error, names=names)
+        if self._devices is None:  # once: ranks on one GPU under NCCL, or on mixed devices, fail here
+            self._check_devices(x.device)
+        self._data_device = x.device
         out = ops.route(self._loop.on_route(tensors), spec, self.group)
         return out[0] if not features else tuple(out)
+
+    def _check_devices(self, device: torch.device) -> None:
+        """Every rank's data device, gathered once (at the first route, before data moves): two
+        ranks on one GPU under NCCL, or data on different kinds of device, raise on every rank."""
+        import socket
+
+        self._devices = gather_text(self._checks.control, f"{socket.gethostname()}/{device}")
+        problem = device_problem(self._devices, uses_nccl(self.group))
+        if problem:
+            self._devices = None
+            raise BalancerInputError(f"SequenceBalancer.route: {problem} (this is rank {self.group_rank})")
 
     @eager_only
     def reverse_route(self, y: torch.Tensor, *features: torch.Tensor, names=None):

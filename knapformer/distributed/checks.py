@@ -1,28 +1,43 @@
-"""The balancer's checks: what each call validates locally, and the agreement it then joins.
+"""The balancer's checks: what each call validates locally, and when it agrees with the other ranks.
 
-Every exchange of a step (``route``, each layer's ``pre_attn``/``post_attn``,
-``gather_sequences``, ``route_context``, ``reverse_route``) first joins one agreement
-(:func:`~knapformer.distributed.agree.agree`) carrying the operation, its index in the step,
-the step, this rank's local problem (if any) and the values that must match, so that:
+The once-per-step calls (``plan``, ``route``, ``gather_sequences``, ``route_context``,
+``reverse_route``) each join one agreement (:func:`~knapformer.distributed.agree.agree`: a
+rendezvous of the whole group) carrying the operation, its index in the step, the step, this
+rank's local problem (if any) and the values that must match, so that bad input on one rank
+raises the same clear error on every rank before data moves, ranks that make different calls
+raise naming each rank's call, and the first exchange after a new plan agrees on the plan's
+digest.
 
-- bad input on one rank raises the same clear error on every rank before data moves;
-- ranks that make different calls (a layer skipped on one rank) raise, naming each rank's call,
-  instead of pairing mismatched collectives (a hang or a gloo abort);
-- the first exchange after a new plan also agrees on the plan's digest.
+The per-layer calls (``attention``, ``pre_attn``, ``post_attn``) run every layer, and a
+rendezvous there would cost a whole-group synchronisation per layer and direction. So they
+agree only where they must (:class:`StepChecks`):
+
+- the *first* per-layer call of every step agrees (its shapes, dtypes and causal flag), and
+  that signature — with the call's index and whether gradients are on — names the step's
+  *kind*;
+- in the first step of each kind (and under ``debug``) every per-layer call agrees too, and the
+  sequence of calls is recorded: the step's *schedule*;
+- later steps of that kind check each per-layer call locally against the schedule, every rank
+  agreed on: what shapes its exchanges is then the same on every rank without a collective.
+  A rank whose call differs (bad shapes or dtype, a bad kernel output, another operation, a
+  layer more or less) *plays* the scheduled call instead — the same exchanges, on zeros — and
+  defers its error, which every rank raises at the step's next agreement (``reverse_route``,
+  or the next ``plan``): no rank leaves a collective the others are in.
 
 A problem found where no exchange follows (``cross_attention`` is local; ``report_error``) is
-*deferred*: it is raised at the next agreement, on every rank. Legend: R routed tokens.
+deferred the same way. Legend: R routed tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from knapformer.distributed.agree import Call, agree, signature
+from knapformer.distributed.agree import Call, agree, describe_parts, signature
 
-__all__ = ["StepChecks", "as_lengths", "attention_problem", "rows_problem"]
+__all__ = ["LayerCall", "StepChecks", "as_lengths", "attention_problem", "rows_problem"]
 
 
 def rows_problem(tensors: Sequence, rows: int, rank: int) -> str:
@@ -67,43 +82,173 @@ def attention_problem(q, k, v, routed: int, rank: int) -> str:
     return ""
 
 
-class StepChecks:
-    """Agreement state of one balancer: the step, the calls agreed in it, the plan digest
-    until it is agreed, and a deferred error."""
+@dataclass(frozen=True)
+class LayerCall:
+    """What shapes the exchanges of one per-layer call: the operation, the dtype and trailing
+    shape of each tensor it takes (token dimension left open) and causal masking."""
 
-    def __init__(self, group, control, rank: int) -> None:
+    op: str
+    """``attention``, ``pre_attn`` or ``post_attn``."""
+    tensors: tuple[tuple[torch.dtype, tuple[int, ...]], ...] = ()
+    """(dtype, trailing shape) of q, k, v (``post_attn``: none; its exchange follows ``pre_attn``'s)."""
+    causal: bool = False
+
+    @classmethod
+    def of(cls, op: str, tensors: Sequence[torch.Tensor] = (), causal: bool = False) -> LayerCall:
+        return cls(op, tuple((t.dtype, tuple(t.shape[1:])) for t in tensors), bool(causal))
+
+    def values(self) -> tuple[tuple[str, str], ...]:
+        """What the agreement compares (name, text)."""
+        out = tuple((n, _text(dt, shape)) for n, (dt, shape) in zip("qkv", self.tensors))
+        return out + ((("causal", str(self.causal)),) if self.op != "post_attn" else ())
+
+    def describe(self) -> str:
+        args = ", ".join(f"{n}: {_text(dt, shape)}" for n, (dt, shape) in zip("qkv", self.tensors))
+        return f"{self.op}({args}{', causal' if self.causal else ''})"
+
+
+def _text(dtype: torch.dtype, trailing: tuple[int, ...]) -> str:
+    return describe_parts(dtype, trailing)
+
+
+class StepChecks:
+    """Agreement state of one balancer: the step, the calls made in it, the plan digest until
+    it is agreed, a deferred error, and the schedules of the step kinds seen (module
+    docstring). ``player(entry)`` (set by the balancer) runs a scheduled per-layer call on
+    zeros when this rank must join exchanges it did not ask for."""
+
+    def __init__(self, group, control, rank: int, *, debug: bool = False) -> None:
         self.group, self.control, self.rank = group, control, rank
+        self.debug = debug
+        """Every per-layer call agrees (no schedules)."""
         self.step = 0
         """Plans made or adopted so far."""
         self.index = 0
-        """Calls agreed since the step's plan."""
+        """Calls made since the step's plan (per-layer calls included)."""
         self.pending = ""
+        self._pending_kind = "input"
         self._plan_digest = 0
         self._plan_agreed = False
+        self.player: Callable[[LayerCall], None] | None = None
+        self.schedules: dict[tuple, tuple] = {}
+        """Step kind -> the calls of its first clean step (``LayerCall`` or rendezvous name)."""
+        self._record: list = []
+        self._kind: tuple | None = None
+        self._schedule: tuple | None = None
+        self._failed = False
+        self.rendezvous_count = 0
+        """Agreements joined so far (what tests count)."""
 
+    # -- steps ----------------------------------------------------------------------------------
     def new_step(self, plan_digest: int, *, agreed: bool) -> None:
+        record, known = tuple(self._record), self._schedule
+        if self._kind is not None and not self._failed and (known is None or known[: len(record)] != record):
+            # the same on every rank (every call beyond the schedule was agreed); a step that
+            # stops short of its schedule (no recomputation, say) keeps the longer one
+            self.schedules[self._kind] = record
         self.step += 1
         self.index = 0
         self._plan_digest, self._plan_agreed = plan_digest, agreed
+        self._record, self._kind, self._schedule, self._failed = [], None, None, False
 
-    def defer(self, message: str) -> None:
-        """Raise ``message`` at the next agreement (the first deferred message wins)."""
-        self.pending = self.pending or str(message)
+    @property
+    def scheduled(self) -> bool:
+        """This step's per-layer calls follow a known schedule (no rendezvous per layer)."""
+        return self._schedule is not None
+
+    # -- deferred errors ------------------------------------------------------------------------
+    def defer(self, message: str, kind: str = "input") -> None:
+        """Raise ``message`` at the next agreement (the first deferred message wins);
+        ``kind``: ``input`` (bad input) or ``divergent`` (a call the other ranks did not make)."""
+        self._failed = True
+        if not self.pending:
+            self.pending, self._pending_kind = str(message), kind
 
     def take_pending(self) -> str:
         message, self.pending = self.pending, ""
         return message
 
-    def agree(self, op: str, error: str = "", values: tuple[tuple[str, str], ...] = (), what: str = "input") -> None:
+    # -- agreements -----------------------------------------------------------------------------
+    def agree(
+        self,
+        op: str,
+        error: str = "",
+        values: tuple[tuple[str, str], ...] = (),
+        what: str = "input",
+        *,
+        play: bool = True,
+    ) -> None:
         """Join the agreement of call ``op`` (a deferred error takes precedence over ``error``,
-        which is about ``what``)."""
-        pending = self.take_pending()
-        error, what = (pending, "input") if pending else (error, what)
+        which is about ``what``). ``play``: first join the per-layer calls the step's schedule
+        still has before the next agreement (a rank that skipped layers: the others are in
+        their exchanges); off at step boundaries (``plan``, ``flush``)."""
+        while play and self._schedule is not None and self.index < len(self._schedule):
+            entry = self._schedule[self.index]
+            if isinstance(entry, str):
+                break
+            self.defer(
+                f"rank {self.rank} called {op} where every rank made {entry.describe()} (call {self.index}) in "
+                "earlier steps of this kind (a layer skipped on this rank?)",
+                "divergent",
+            )
+            self.play(entry)
+        self._agree(op, error, values, what)
+        self._record.append(op)
+
+    def _agree(self, op: str, error: str, values: tuple, what: str) -> None:
+        pending, kind = self.take_pending(), self._pending_kind
+        error, what = (pending, kind) if pending else (error, what)
         call = Call(op=op, index=self.index, step=self.step, values=values)
         plan = self._plan_digest if not self._plan_agreed else 0
         self.index += 1
         self._plan_agreed = True  # checked now, whatever the outcome (a mismatch raises here, once)
-        agree(self.group, call, error, plan=plan, control=self.control, what=what)
+        self.rendezvous_count += 1
+        try:
+            agree(self.group, call, error, plan=plan, control=self.control, what=what)
+        except Exception:
+            self._failed = True
+            raise
+
+    def play(self, entry: LayerCall) -> None:
+        """Run scheduled call ``entry`` on zeros (its exchanges meet the other ranks')."""
+        self.index += 1
+        self._record.append(entry)
+        assert self.player is not None, "the balancer sets StepChecks.player"
+        self.player(entry)
+
+    def layer(self, call: LayerCall, error: str = "") -> LayerCall | None:
+        """Check per-layer call ``call`` (this rank's local problem: ``error``). Returns None
+        when the call runs as made (agreed, or matching the schedule), or the scheduled call
+        this rank must run instead, on zeros (its error is then deferred)."""
+        if self.debug or self._kind is None or self._schedule is None or self.index >= len(self._schedule):
+            first = self._kind is None
+            self._agree(call.op, error, call.values() if not error else (), "input")
+            self._record.append(call)
+            if first:  # the step's kind: the first per-layer call, where it is, and gradients on or not
+                self._kind = (self.index - 1, call, torch.is_grad_enabled())
+                self._schedule = None if self.debug else self.schedules.get(self._kind)
+            return None
+        entry = self._schedule[self.index]
+        if isinstance(entry, str):
+            # every rank that made as many calls as the schedule is now in this agreement (or, if
+            # this step has more layers, at this same call): join it. Ranks at the same call go on
+            # agreeing call by call, as in a first step; a rank at another call raises everywhere.
+            self._agree(call.op, error, call.values() if not error else (), "input")
+            self._record.append(call)
+            self._schedule = None
+            return None
+        if entry == call and not error:
+            self.index += 1
+            self._record.append(call)
+            return None
+        made = f"made {call.describe()} where every rank made {entry.describe()} in earlier steps of this kind"
+        self.defer(
+            f"{call.op} on rank {self.rank} (call {self.index} of step {self.step}): " + (error or made),
+            "input" if error or entry.op == call.op else "divergent",  # other shapes: bad input; another call
+        )
+        self.index += 1
+        self._record.append(entry)
+        return entry
 
     def tensors(self, op: str, tensors: Sequence, rows: int, *, error: str = "", names=None) -> None:
         """Agree on tensors exchanged together: ``rows`` token rows each on this rank, the same

@@ -11,6 +11,7 @@ the planner reads, the user's config is never rewritten. Every completed step be
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
@@ -40,7 +41,7 @@ class ClosedLoop:
         self.planning = config
         """The settings the next plan uses (the user's, with the fitted cost model and speeds)."""
         self._own_speed = config.rank_speed  # the user's setting, what a resize falls back to
-        self.timer = StepTimer() if config.measure else None
+        self.timer = StepTimer(config.timer) if config.measure else None
         self.fit = (
             OnlineFit(
                 prior=config.cost,
@@ -53,25 +54,47 @@ class ClosedLoop:
         )
         self.callbacks: list = []
         self.last_step: StepTelemetry | None = None
-        self._record: StepTelemetry | None = None  # this step's record, waiting for its measurement
-        self._features = None  # this step's plan features, for the fit
+        # steps whose records wait for their measurement (record, plan features for the fit):
+        # the last one, and with CUDA events (read a step late) the one before
+        self._waiting: collections.deque = collections.deque()
         self._bytes_per_token = 0
 
     @property
     def waiting(self) -> bool:
         """A step's record waits for its measurement."""
-        return self._record is not None
+        return bool(self._waiting)
+
+    @property
+    def ready(self) -> bool:
+        """The next gathered seconds complete a record (CUDA timing lags a step behind)."""
+        return len(self._waiting) > (self.timer.lag if self.timer is not None else 0)
 
     # -- per step ---------------------------------------------------------------------------
     def seconds_bits(self) -> int:
         """The last step's measured seconds (NaN without timing) as int64 bits, to ride on an
         int64 gather."""
         seconds = self.timer.seconds() if self.timer is not None else float("nan")
-        return torch.tensor([seconds], dtype=torch.float64).view(torch.int64).item()
+        return int(np.float64(seconds).view(np.int64))
 
-    def measured(self, bits: torch.Tensor) -> list[float] | None:
-        """Every rank's seconds from their gathered bits (None without timing)."""
-        return bits.clone().view(torch.float64).tolist() if self.timer is not None else None
+    def drain_bits(self) -> list[int]:
+        """The seconds of every step still waiting, oldest first, as int64 bits (CUDA events are
+        waited for): one per waiting record, NaN where a step was never timed."""
+        n = len(self._waiting)
+        if self.timer is None:
+            values = []
+        elif self.timer.kind == "cuda":
+            values = self.timer.drain()
+        else:
+            values = [self.timer.seconds()]
+        values = [float("nan")] * max(n - len(values), 0) + values[-n:] if n else []
+        return [int(np.float64(v).view(np.int64)) for v in values]
+
+    def measured(self, bits) -> list[float] | None:
+        """Every rank's seconds from their gathered bits (int64, a tensor or a numpy array; None
+        without timing)."""
+        if self.timer is None:
+            return None
+        return np.asarray(bits, dtype=np.int64).view(np.float64).tolist()
 
     def start_step(self, plan: Plan, step: int) -> None:
         """Open the step's telemetry record (emitted at once without timing)."""
@@ -79,7 +102,7 @@ class ClosedLoop:
         model = cfg.cost
         in_seconds = str(model.meta.get("units", "")).startswith("seconds")
         per_call = float(model.meta.get("per_call_seconds", 0.0))
-        self._record = StepTelemetry(
+        record = StepTelemetry(
             step=step,
             layout=cfg.layout.spec(),
             solver=plan.solver,
@@ -99,23 +122,24 @@ class ClosedLoop:
             },
             rank_speed=list(cfg.rank_speed) if cfg.rank_speed is not None else None,
         )
-        self._features = plan.features() if self.fit is not None else None
+        self._waiting.append((record, plan.features() if self.fit is not None else None))
         if self.timer is None:  # nothing to wait for
             self.finish_step(None)
 
     def finish_step(self, measured: list[float] | None) -> None:
-        """Complete the step's record with the measured seconds; refit; call the callbacks."""
-        if self._record is None:
+        """Complete the oldest waiting record with the measured seconds (gathered from every
+        rank: they are that step's); refit; call the callbacks."""
+        if not self._waiting:
             return
+        record, features = self._waiting.popleft()
         record = dataclasses.replace(
-            self._record,
+            record,
             measured_s=measured,
             measured_imbalance=imbalance(measured) if measured is not None else None,
-            bytes_moved=self._record.tokens_moved * self._bytes_per_token,
+            bytes_moved=record.tokens_moved * self._bytes_per_token,
         )
-        self._record = None
-        if self.fit is not None and measured is not None and self._features is not None:
-            self.fit.add(Observation(self._features, np.asarray(measured, dtype=np.float64)))
+        if self.fit is not None and measured is not None and features is not None:
+            self.fit.add(Observation(features, np.asarray(measured, dtype=np.float64)))
             self._recalibrate()
         self.last_step = record
         for cb in self.callbacks:

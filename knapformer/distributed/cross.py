@@ -16,7 +16,8 @@ from typing import Any, Protocol
 import torch
 
 import knapformer.distributed.ops as ops
-from knapformer.distributed.agree import group_device, signature
+from knapformer.attention.bounds import host_bounds, to_device
+from knapformer.distributed.agree import gather_ints, signature
 from knapformer.distributed.context import build_context_route
 from knapformer.executor.protocol import (
     RoutedContext,
@@ -49,16 +50,13 @@ def route_context(bal: _Balancer, context: torch.Tensor, lens: Sequence[int]) ->
     n_local = len(plan.seq_lens[bal.group_rank])
     error = context_problem(context, lens, n_local)
     bal._checks.agree("route_context", error, signature((context,), ("context",)) if not error else ())
-    device = group_device(bal.group)
-    mine = torch.tensor([int(n) for n in lens], dtype=torch.int64, device=device)
-    counts = plan.index.counts.tolist()
-    all_lens = ops.gather_sequences([mine], counts, bal.group_rank, bal.group)[0].cpu().numpy()
+    # every sequence's context length, gathered on the host (the control group: no device sync)
+    all_lens = gather_ints(bal._checks.control, [int(n) for n in lens], plan.index.counts.tolist(), "route_context")
     route = build_context_route(plan, bal.group_rank, all_lens)
-    rows = context.index_select(0, torch.from_numpy(route.send_rows).to(context.device))
+    rows = context.index_select(0, to_device(torch.from_numpy(route.send_rows), context.device))
     if route.moves:
         rows = ops.all_to_all(rows, route.send_splits, route.recv_splits, bal.group, "route_context")
-    seq_id = spec.indices_on(context.device)["routed_seq_id"]
-    return routed_context(rows, torch.from_numpy(route.seq_ids), route.lens.tolist(), seq_id)
+    return routed_context(rows, route.seq_ids, route.lens, spec.routed_seq_id)
 
 
 def cross_attention(
@@ -79,12 +77,12 @@ def cross_attention_tensors(bal: _Balancer, q, k, v, tensors: list[torch.Tensor]
     """:func:`cross_attention` given the context's tensors (``context_tensors``): what the
     compiled path runs inside its opaque operator."""
     _, spec = bal._require_spec()
-    cu_q, cu_k = tensors[0], tensors[1]
+    cu_q, cu_k = host_bounds(tensors[0]), host_bounds(tensors[1])
     error = ""
-    if q.shape[0] != spec.num_routed or q.shape[0] != int(cu_q[-1]):
+    if q.shape[0] != spec.num_routed or q.shape[0] != cu_q[-1]:
         error = f"q has {q.shape[0]} rows; routed tokens: {spec.num_routed}"
-    elif k.shape[0] != int(cu_k[-1]) or v.shape[0] != k.shape[0]:
-        error = f"k/v have {k.shape[0]}/{v.shape[0]} rows; the routed context has {int(cu_k[-1])}"
+    elif k.shape[0] != cu_k[-1] or v.shape[0] != k.shape[0]:
+        error = f"k/v have {k.shape[0]}/{v.shape[0]} rows; the routed context has {cu_k[-1]}"
     if error:
         bal._checks.defer(f"cross_attention on rank {bal.group_rank}: {error}")
         return q.new_zeros((q.shape[0], q.shape[1], v.shape[2])) + 0 * q.sum()

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 import knapformer.distributed.trace as trace
+from knapformer.attention.bounds import to_device, upload
 from knapformer.distributed.ops import exchange
 from knapformer.distributed.spec import GroupEntry, RouteSpec
 from knapformer.distributed.ulysses.exchange import AttnBatch, UlyssesCall
@@ -92,7 +93,7 @@ def entry_keys(e: GroupEntry, causal: bool) -> EntryKeys:
 
 
 def _bounds(lens, device) -> torch.Tensor:
-    return torch.tensor([0, *np.cumsum(lens, dtype=np.int64).tolist()], dtype=torch.int32, device=device)
+    return upload(np.concatenate([[0], np.cumsum(lens, dtype=np.int64)]), device)
 
 
 def _entry_tensors(spec: RouteSpec, e: GroupEntry, causal: bool, device) -> tuple:
@@ -102,7 +103,7 @@ def _entry_tensors(spec: RouteSpec, e: GroupEntry, causal: bool, device) -> tupl
         lay = entry_keys(e, causal)
         spec.cache[key] = (
             lay,
-            torch.from_numpy(lay.key_rows).to(device),
+            to_device(torch.from_numpy(lay.key_rows), device),
             _bounds(lay.q_lens, device),
             _bounds(lay.k_lens, device),
         )

@@ -29,6 +29,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 
+import knapformer.distributed.timing as timing
 from knapformer.errors import PeerLostError
 
 __all__ = ["collective", "gloo_workers_busy", "register_peers", "wait", "wait_idle"]
@@ -46,24 +47,41 @@ def collective(fn: Callable[[], object], tensors: Sequence = (), phase: str = "e
     if not _registered:
         atexit.register(wait_idle)
         _registered = True
+    timing.pause()  # waiting for other ranks is not this rank's own work
     try:
         return fn()
     except RuntimeError as exc:
         raise _classified(exc, phase, group) from exc
+    finally:
+        timing.resume()
 
 
 def wait(work, phase: str, group=None) -> None:
     """``work.wait()`` of an asynchronous collective, its failures classified as :func:`collective`'s."""
+    timing.pause()
     try:
         work.wait()
     except RuntimeError as exc:
         raise _classified(exc, phase, group) from exc
+    finally:
+        timing.resume()
 
 
 # -- a lost peer ---------------------------------------------------------------------------------
 _peers: dict[int, tuple] = {}
 """id(process group) -> (the group, global ranks, hosts, pids, timeout seconds)."""
-_LOST = ("closed by peer", "reset by peer", "timed out", "timeout", "broken pipe", "connection refused", "aborted")
+_LOST = (
+    "closed by peer",
+    "reset by peer",
+    "timed out",
+    "timeout",
+    "broken pipe",
+    "connection refused",
+    "connection closed",
+    "remote process exited",  # NCCL's ncclRemoteError
+    "network error",
+    "aborted",
+)
 
 
 def register_peers(group, ranks: Sequence[int], hosts: Sequence[str], pids: Sequence[int], timeout_s: float) -> None:
@@ -97,7 +115,10 @@ def _classified(exc: RuntimeError, phase: str, group) -> RuntimeError:
         info = None
     host = socket.gethostname()
     text = str(exc)
-    lost = type(exc).__name__ == "DistBackendError" or any(w in text.lower() for w in _LOST)
+    # by what the error says, not by its type: NCCL raises DistBackendError for lost peers and for
+    # its own failures alike (an illegal address, invalid usage, out of memory), and "restart from
+    # the last checkpoint" on those would send a launcher into a restart loop
+    lost = any(w in text.lower() for w in _LOST)
     dead: list[int] = []
     local = [(r, pid) for r, h, pid in zip(info[1], info[2], info[3]) if h == host] if info is not None else []
     deadline = time.monotonic() + (1.0 if lost else 0.0)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import knapformer.distributed.lifetime as lifetime
 from knapformer.config import BalancerConfig
 from knapformer.distributed.agree import digest62, gather_text, group_device
+from knapformer.distributed.backends import host_collectives
 from knapformer.errors import BalancerConfigError
 
 __all__ = ["Groups", "agree_settings", "asked_group", "resolve_groups"]
@@ -79,10 +80,10 @@ def agree_settings(config: BalancerConfig | None, local_error: str, asked) -> No
     names = list(BalancerConfig.__dataclass_fields__)
     digests = config.setting_digests() if config is not None else [0] * len(names)
     mine = [1 if local_error else 0, *digests, digest62(repr(asked))]
-    t = torch.tensor(mine, dtype=torch.int64, device=group_device(world))
+    t = torch.tensor(mine, dtype=torch.int64).to(group_device(world))
     rows = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     lifetime.collective(lambda: dist.all_gather(rows, t), (t, *rows), "construction")
-    table = torch.stack(rows).cpu().tolist()
+    table = torch.stack(rows).cpu().tolist()  # once, at construction
     me = dist.get_rank()
     bad = [r for r, row in enumerate(table) if row[0]]
     if bad:
@@ -131,13 +132,13 @@ def resolve_groups(config: BalancerConfig, group, asked) -> Groups:
     size = config.layout.group_size
     if asked is None:
         groups = [tuple(r) for r in config.layout.replica_ranks(dist.get_world_size())]
-        backend = dist.get_backend()
+        backend = dist.get_backend_config()  # per device ("cpu:gloo,cuda:nccl"): not get_backend's "undefined"
     else:
         asked_by_rank: list = [None] * dist.get_world_size()
         dist.all_gather_object(asked_by_rank, list(asked))
         _check_asked(asked_by_rank, size)
         groups = sorted({tuple(r) for r in asked_by_rank})
-        backend = dist.get_backend(group)
+        backend = dist.get_backend_config(group)
     me = dist.get_rank()
     timeout = config.collective_timeout_s
     mine = None
@@ -145,9 +146,9 @@ def resolve_groups(config: BalancerConfig, group, asked) -> Groups:
         g = _timed_group(ranks, backend, timeout)
         if me in ranks:
             mine = g
-    if backend != "nccl":
+    if host_collectives(mine):  # gloo, or gloo beside NCCL: agreements run on host tensors as they are
         out = Groups(mine, mine)
-    else:
+    else:  # NCCL alone
         control = None
         for ranks in groups:  # gloo twins of every balancing group, created in the same order everywhere
             g = _timed_group(ranks, "gloo", timeout)

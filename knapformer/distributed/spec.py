@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from knapformer.attention.bounds import to_device, upload
 from knapformer.plan import Plan
 from knapformer.plan.seqindex import DST, LEN, SRC, START
 
@@ -172,17 +173,18 @@ class RouteSpec:
         return tuple(sorted({len(g) for g in self.used_groups}))
 
     def indices_on(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """Index tensors on ``device``, copied once per device and cached."""
+        """Index tensors on ``device``, copied once per device (per plan) and cached: built on
+        the host, uploaded asynchronously from pinned memory (no host-device synchronisation)."""
         key = str(device)
         if key not in self._device_cache:
-            d = {n: getattr(self, n).to(device) for n in ("send_index", "routed_seq_id", "routed_pos")}
-            d["send_inverse"] = torch.empty_like(d["send_index"])
-            d["send_inverse"][d["send_index"]] = torch.arange(self.num_local, device=device)
+            d = {n: to_device(getattr(self, n), device) for n in ("send_index", "routed_seq_id", "routed_pos")}
+            inverse = torch.empty_like(self.send_index)
+            inverse[self.send_index] = torch.arange(self.num_local)
+            d["send_inverse"] = to_device(inverse, device)
             if self.recv_index is not None:
-                d["recv_index"] = self.recv_index.to(device)
-                d["recv_inverse"] = torch.argsort(d["recv_index"])
-            lens = torch.tensor([0, *self.local_seq_lens], dtype=torch.int64)
-            d["local_cu_seqlens"] = torch.cumsum(lens, 0).to(torch.int32).to(device)
+                d["recv_index"] = to_device(self.recv_index, device)
+                d["recv_inverse"] = to_device(torch.argsort(self.recv_index), device)
+            d["local_cu_seqlens"] = upload(np.cumsum([0, *self.local_seq_lens]), device)
             self._device_cache[key] = d
         return self._device_cache[key]
 

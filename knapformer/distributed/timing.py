@@ -1,62 +1,147 @@
-"""Timing each rank's balanced region of a step: from the first ``route`` to the end of its
-backward (forward and backward of everything in between).
+"""Timing each rank's own work in a step: from the first ``route`` to the end of its backward,
+*without* the time spent waiting for other ranks inside knapformer's exchanges.
 
-CPU tensors: thread CPU time of the calling thread (what the rank computes; waiting in a
-collective costs none). CUDA tensors: two CUDA events on the current stream, read one step
-later (when the next ``plan`` asks), so the hot path never waits for the device. The end is
-stamped by an identity autograd function on route's inputs, whose backward runs when the
-backward pass reaches them — the last thing of the step; without a backward (inference) the
-first ``reverse_route`` ends the region.
+Why without the waits: a rank that waits in an exchange for a slower peer is not slow itself.
+A clock around the whole region measures the slowest peer on every rank (every rank looks
+equally slow), so an online fit could never correct a wrong cost model and speed estimation
+would random-walk. So the region is cut into *segments* at every knapformer collective
+(:func:`pause` before it blocks, :func:`resume` after; ``lifetime.collective``/``wait`` call
+them) and only the segments count.
+
+Modes (``BalancerConfig.timer``):
+
+- ``cpu``: thread CPU time of the calling thread (waiting in a gloo collective costs none);
+  the default for CPU tensors;
+- ``wall``: wall clock, segments only — what a CUDA stream's events measure, on CPU: a gloo
+  collective blocks the host the way a CUDA stream waits for NCCL (tests use it);
+- ``cuda``: a pair of CUDA events per segment on the current stream (an event recorded after
+  an exchange completes when the exchange has); read one step later without a device
+  synchronisation (a step whose events are not complete by then gives NaN); the default for
+  CUDA tensors.
+
+The end is stamped by an identity autograd function on route's inputs, whose backward runs when
+the backward pass reaches them — the last thing of the step; without a backward (inference)
+the first ``reverse_route`` ends the region. A step whose end was never stamped (route inputs
+that need no gradient, under a backward) measures NaN.
 """
 
 from __future__ import annotations
 
+import collections
 import time
 
 import torch
 
-__all__ = ["StepTimer"]
+from knapformer.config import TIMER_MODES as MODES
+
+__all__ = ["MODES", "StepTimer", "pause", "resume"]
+
+_ACTIVE: list[StepTimer] = []
+"""The timer of the step in progress (at most one): what :func:`pause`/:func:`resume` stamp."""
+
+
+def pause() -> None:
+    """A knapformer collective is about to block: close the active timer's segment."""
+    if _ACTIVE:
+        _ACTIVE[0].pause()
+
+
+def resume() -> None:
+    """The collective returned: open a new segment."""
+    if _ACTIVE:
+        _ACTIVE[0].resume()
+
+
+def _cuda_event():
+    return torch.cuda.Event(enable_timing=True)
 
 
 class StepTimer:
-    """One rank's balanced-region timer (start at route, stop at route's backward)."""
+    """One rank's own-work timer for a step (module docstring). ``mode``: one of :data:`MODES`."""
 
-    def __init__(self) -> None:
-        self._start = self._end = None
-        self._device: torch.device | None = None
+    def __init__(self, mode: str = "auto") -> None:
+        if mode not in MODES:
+            raise ValueError(f"timer mode must be one of {MODES}, got {mode!r}")
+        self.mode = mode
+        self.kind: str | None = None
+        """The resolved mode (``cpu``, ``wall`` or ``cuda``), set by the first :meth:`start`."""
         self.running = False
+        self._segments: list = []  # closed segments: seconds, or (start, end) CUDA events
+        self._open = None  # the open segment's start (a time, or an event)
+        self._stopped = None  # closed segments at the last stop (None: never stopped)
+        self._pending: collections.deque = collections.deque()  # CUDA: stopped steps, read a step late
+
+    @property
+    def lag(self) -> int:
+        """Steps between a step's end and its seconds being read (1 for CUDA events)."""
+        return 1 if self.kind == "cuda" else 0
+
+    def _now(self):
+        if self.kind == "cuda":
+            e = _cuda_event()
+            e.record()
+            return e
+        return time.thread_time() if self.kind == "cpu" else time.perf_counter()
 
     def start(self, device: torch.device) -> None:
+        """Open the step's region (a second call in the same step does nothing)."""
         if self.running:
             return
-        self.running, self._device = True, device
-        if device.type == "cuda":
-            self._start = torch.cuda.Event(enable_timing=True)
-            self._end = torch.cuda.Event(enable_timing=True)
-            self._start.record()
-        else:
-            self._start, self._end = time.thread_time(), None
+        if self.kind is None:
+            auto = "cuda" if device.type == "cuda" else "cpu"
+            self.kind = auto if self.mode == "auto" else self.mode
+        self.running = True
+        self._segments, self._stopped = [], None
+        self._open = self._now()
+        _ACTIVE[:] = [self]
+
+    def pause(self) -> None:
+        if self.running and self._open is not None:
+            self._segments.append((self._open, self._now()))
+            self._open = None
+
+    def resume(self) -> None:
+        if self.running and self._open is None:
+            self._open = self._now()
 
     def stop(self) -> None:
         """Stamp the end (again, if called again: the last stamp counts)."""
         if not self.running:
             return
-        if self._device is not None and self._device.type == "cuda":
-            self._end.record()
-        else:
-            self._end = time.thread_time()
+        self.pause()
+        self._stopped = len(self._segments)
+        self.resume()  # what follows counts only if a later stop stamps it
 
-    def seconds(self) -> float:
-        """The measured seconds (NaN if the region never ended); resets the timer."""
-        if not self.running or self._end is None:
-            out = float("nan")
-        elif self._device is not None and self._device.type == "cuda":
-            self._end.synchronize()  # recorded a step ago: already done
-            out = self._start.elapsed_time(self._end) / 1e3
-        else:
-            out = self._end - self._start
-        self._start = self._end = None
+    def _close(self) -> list | None:
+        """End the step: its counted segments (None if its end was never stamped)."""
+        segments = self._segments[: self._stopped] if self._stopped is not None else None
+        self._segments, self._open, self._stopped = [], None, None
         self.running = False
+        if _ACTIVE and _ACTIVE[0] is self:
+            _ACTIVE.clear()
+        return segments
+
+    def seconds(self, *, wait: bool = False) -> float:
+        """The measured seconds of the step ``lag`` steps back (NaN if its end was never
+        stamped, or — CUDA — its events are not complete and ``wait`` is off); ends the
+        current step's region."""
+        if self.kind != "cuda":
+            segments = self._close() if self.running else None
+            return float("nan") if segments is None else float(sum(b - a for a, b in segments))
+        if self.running:
+            self._pending.append(self._close())
+        if not self._pending or (len(self._pending) <= self.lag and not wait):
+            return float("nan")
+        return _cuda_seconds(self._pending.popleft(), wait)
+
+    def drain(self) -> list[float]:
+        """Seconds of every step still waiting to be read (CUDA: synchronises with their last
+        event; :meth:`SequenceBalancer.flush`)."""
+        out = []
+        if self.running:
+            self._pending.append(self._close())
+        while self._pending:
+            out.append(_cuda_seconds(self._pending.popleft(), True))
         return out
 
     def mark(self, tensors):
@@ -64,6 +149,17 @@ class StepTimer:
         if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
             return tensors
         return _StopOnBackward.apply(self, *tensors)
+
+
+def _cuda_seconds(segments, wait: bool) -> float:
+    if not segments:
+        return float("nan")
+    last = segments[-1][1]
+    if not last.query():
+        if not wait:
+            return float("nan")
+        last.synchronize()
+    return sum(a.elapsed_time(b) for a, b in segments) / 1e3
 
 
 class _StopOnBackward(torch.autograd.Function):

@@ -34,8 +34,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, NoReturn, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
+from knapformer.attention.bounds import host_bounds, to_device, upload
 from knapformer.attention.varlen import varlen_cross_attention
 
 __all__ = [
@@ -168,28 +170,37 @@ class RoutedContext:
     """Inverse permutation of ``q_order``."""
 
 
-def routed_context(rows: torch.Tensor, seq_ids, lens: Sequence[int], routed_seq_id: torch.Tensor) -> RoutedContext:
+def routed_context(rows: torch.Tensor, seq_ids, lens: Sequence[int], routed_seq_id) -> RoutedContext:
     """The :class:`RoutedContext` of context ``rows`` for sequences ``seq_ids`` (ascending) and
-    this rank's routed queries (their sequence ids ``routed_seq_id``)."""
+    this rank's routed queries (their sequence ids ``routed_seq_id``: best a host tensor or
+    array, since the bounds are derived on the host and uploaded once, without a sync)."""
     device = rows.device
-    ids = torch.as_tensor(seq_ids, dtype=torch.int64).reshape(-1).cpu()
-    rid = routed_seq_id.cpu()
-    slot = torch.searchsorted(ids, rid)
-    if rid.numel() and (
-        bool((slot >= ids.numel()).any()) or bool((ids[slot.clamp(max=max(ids.numel() - 1, 0))] != rid).any())
-    ):
+    ids = _host(seq_ids).reshape(-1)
+    rid = _host(routed_seq_id).reshape(-1)
+    slot = np.searchsorted(ids, rid)
+    if rid.size and ((slot >= ids.size).any() or (ids[np.minimum(slot, max(ids.size - 1, 0))] != rid).any()):
         raise ValueError("routed tokens of a sequence without context")
-    counts = torch.bincount(slot, minlength=ids.numel()) if rid.numel() else torch.zeros(ids.numel(), dtype=torch.int64)
+    counts = np.bincount(slot, minlength=ids.size) if rid.size else np.zeros(ids.size, dtype=np.int64)
     order = inverse = None
-    if rid.numel() > 1 and bool((rid[1:] < rid[:-1]).any()):
-        order = torch.sort(rid, stable=True).indices
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel())
-        order, inverse = order.to(device), inverse.to(device)
+    if rid.size > 1 and (rid[1:] < rid[:-1]).any():
+        o = np.argsort(rid, kind="stable")
+        inv = np.empty_like(o)
+        inv[o] = np.arange(o.size)
+        order, inverse = to_device(torch.from_numpy(o), device), to_device(torch.from_numpy(inv), device)
     lens = [int(n) for n in lens]
-    cu_k = torch.tensor([0, *torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32)
-    cu_q = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32)
-    return RoutedContext(rows=rows, seq_ids=ids, lens=lens, cu_k=cu_k, cu_q=cu_q, q_order=order, q_inverse=inverse)
+    cu_k = upload(np.concatenate([[0], np.cumsum(lens, dtype=np.int64)]), device)
+    cu_q = upload(np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]), device)
+    return RoutedContext(
+        rows=rows, seq_ids=torch.from_numpy(ids), lens=lens, cu_k=cu_k, cu_q=cu_q, q_order=order, q_inverse=inverse
+    )
+
+
+def _host(x) -> np.ndarray:
+    """``x`` (a list, an array, or a tensor) as an int64 host array."""
+    if isinstance(x, torch.Tensor):
+        x = x.detach()
+        return (x if x.device.type == "cpu" else x.cpu()).numpy().astype(np.int64, copy=False)
+    return np.asarray(x, dtype=np.int64)
 
 
 def context_problem(context, lens, num_seqs: int) -> str:
@@ -215,7 +226,7 @@ def cross_problem(q, k, v, context: RoutedContext, routed: int) -> str:
         return "q, k, v must be (rows, heads, head_dim) tensors"
     if q.shape[0] != routed:
         return f"q has {q.shape[0]} rows; routed tokens: {routed}"
-    M = int(context.cu_k[-1])
+    M = host_bounds(context.cu_k)[-1]
     if k.shape[0] != M or v.shape[0] != M:
         return f"k/v have {k.shape[0]}/{v.shape[0]} rows; the routed context has {M}"
     if k.shape[1] != v.shape[1] or k.shape[2] != q.shape[2] or q.shape[1] % max(k.shape[1], 1):

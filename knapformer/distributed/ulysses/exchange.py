@@ -196,6 +196,8 @@ class UlyssesCall:
     whole layer's q, k, v alive until post attention."""
     pairs: list | None = None
     """The custom-kernel form's pair indices, once computed (:mod:`.pairs`)."""
+    dtype: torch.dtype = torch.float32
+    """The dtype of v (and of the attention output)."""
     kv_token: torch.Tensor | None = None
     """After a K/V gather (``pre_attn`` under a ring plan): the empty token of its exchange,
     joined to the kernel's output so that every rank runs the gather's backward."""
@@ -210,7 +212,7 @@ def pre_attn_batches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Ro
     idx = spec.indices_on(q.device)
     if not spec.has_ulysses:  # nothing of the plan needs an exchange: every row is run alone
         local = AttnBatch(1, q, k, v, idx["local_cu_seqlens"], max(spec.local_seq_lens, default=0))
-        return UlyssesCall([local], heads, None)
+        return UlyssesCall([local], heads, None, dtype=v.dtype)
     n1, R = spec.local_tokens, q.shape[0]
     batches = []
     if n1 == 0:
@@ -239,7 +241,7 @@ def pre_attn_batches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Ro
             qs, ks, vs = torch.split(part.view(-1, w), [hq * d, hkv * d, hkv * dv], dim=1)
             qs, ks, vs = qs.unflatten(1, (hq, d)), ks.unflatten(1, (hkv, d)), vs.unflatten(1, (hkv, dv))
             batches.append(AttnBatch(deg, qs, ks, vs, cu, mx, spec.entries[ring] if ring >= 0 else None))
-    return UlyssesCall(batches, heads, recv[:0].clone())
+    return UlyssesCall(batches, heads, recv[:0].clone(), dtype=v.dtype)
 
 
 def post_attn_batches(call: UlyssesCall, outs: list[torch.Tensor], spec: RouteSpec, group=None) -> torch.Tensor:

@@ -27,6 +27,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from knapformer.attention.bounds import to_device, upload
 from knapformer.distributed.spec import ChunkInfo, RouteSpec, concat_ranges
 
 __all__ = [
@@ -173,23 +174,23 @@ class UlyssesLayout:
             return None
         key = ("order", str(device))
         if key not in self._device_cache:
-            index = torch.tensor(order, device=device)
-            self._device_cache[key] = (index, torch.argsort(index))
+            index = torch.tensor(order)
+            self._device_cache[key] = (to_device(index, device), to_device(torch.argsort(index), device))
         return self._device_cache[key]
 
     def indices_on(self, device: torch.device) -> LayoutIndices:
         """The index tensors on ``device``, cached."""
         key = str(device)
         if key not in self._device_cache:
-            gathers = [torch.from_numpy(a).to(device) for a in self.pre_gather]
-            scatters = [torch.from_numpy(a).to(device) for a in self.post_scatter]
+            gathers = [torch.from_numpy(a) for a in self.pre_gather]
+            scatters = [torch.from_numpy(a) for a in self.post_scatter]
             full = len(gathers) == 1 and self.pre_rows and gathers[0].numel() == sum(self.pre_recv) // self.pre_rows
-            self._device_cache[key] = LayoutIndices(
-                gathers=gathers,
-                gather_inverse=torch.argsort(gathers[0]) if full else None,
-                scatters=scatters,
-                scatter_inverse=torch.argsort(scatters[0]) if len(scatters) == 1 else None,
-                cu_seqlens=[torch.tensor(c, dtype=torch.int32, device=device) for c in self.cu_seqlens],
+            self._device_cache[key] = LayoutIndices(  # built on the host, uploaded without a sync
+                gathers=[to_device(g, device) for g in gathers],
+                gather_inverse=to_device(torch.argsort(gathers[0]), device) if full else None,
+                scatters=[to_device(s, device) for s in scatters],
+                scatter_inverse=to_device(torch.argsort(scatters[0]), device) if len(scatters) == 1 else None,
+                cu_seqlens=[upload(c, device) for c in self.cu_seqlens],
             )
         return self._device_cache[key]
 

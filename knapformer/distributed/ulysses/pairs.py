@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from knapformer.attention.bounds import derived, host_bounds, to_device, upload
 from knapformer.distributed.spec import concat_ranges
 from knapformer.distributed.ulysses.exchange import AttnBatch, UlyssesCall
 from knapformer.executor.protocol import VarlenArgs
@@ -36,9 +37,15 @@ def _form(call: UlyssesCall) -> str:
 
 
 def _bounds(b: AttnBatch) -> tuple[np.ndarray, np.ndarray]:
-    cu_q = b.cu_seqlens.cpu().numpy().astype(np.int64)
-    cu_k = cu_q if b.cu_seqlens_k is None else b.cu_seqlens_k.cpu().numpy().astype(np.int64)
+    """The batch's query and key bounds on the host (registered by the plan: no device read)."""
+    cu_q = np.asarray(host_bounds(b.cu_seqlens), dtype=np.int64)
+    cu_k = cu_q if b.cu_seqlens_k is None else np.asarray(host_bounds(b.cu_seqlens_k), dtype=np.int64)
     return cu_q, cu_k
+
+
+def _anchors(call: UlyssesCall) -> list[torch.Tensor]:
+    """The bounds tensors the call's form derives from (the plan's, alive for its step)."""
+    return [t for b in call.batches for t in (b.cu_seqlens, b.cu_seqlens_k) if t is not None]
 
 
 def _pair_index(b: AttnBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -56,30 +63,45 @@ def _pair_index(b: AttnBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nd
 
 
 def _pairs(call: UlyssesCall):
-    """Per batch ``_pair_index`` as index tensors (computed once per call: pre and post)."""
+    """Per batch ``_pair_index`` as index tensors, built once per plan and head configuration
+    (every layer reuses them; no upload per call)."""
     if call.pairs is None:
         device = call.batches[0].q.device
-        call.pairs = []
-        for b in call.batches:
-            q_rows, k_rows, lq, lk = _pair_index(b)
-            call.pairs.append((torch.from_numpy(q_rows).to(device), torch.from_numpy(k_rows).to(device), lq, lk))
+        key = ("pairs", str(device), tuple((b.q.shape[1], b.k.shape[1]) for b in call.batches))
+
+        def build():
+            out = []
+            for b in call.batches:
+                q_rows, k_rows, lq, lk = _pair_index(b)
+                q_idx, k_idx = (to_device(torch.from_numpy(a), device) for a in (q_rows, k_rows))
+                out.append((q_idx, k_idx, lq, lk))
+            return out
+
+        call.pairs = derived(_anchors(call), key, build)
     return call.pairs
 
 
-def _cu(lens, device) -> torch.Tensor:
-    return torch.tensor([0, *np.cumsum(lens, dtype=np.int64).tolist()], dtype=torch.int32, device=device)
+def _cu(call: UlyssesCall, name: str, lens, device) -> torch.Tensor:
+    """Bounds of ``lens`` on ``device``, uploaded once per plan (cached with the call's form)."""
+    key = ("cu", name, str(device), tuple((b.q.shape[1], b.k.shape[1]) for b in call.batches))
+    return derived(_anchors(call), key, lambda: upload(np.concatenate([[0], np.cumsum(lens, dtype=np.int64)]), device))
 
 
 def flatten_pairs(call: UlyssesCall) -> VarlenArgs:
     """All batches as one varlen call (module docstring): a custom kernel's arguments."""
     form = _form(call)
-    if form == "empty":  # a rank with no sequences this step: empty, but in the graph
+    if form == "empty":
+        # a rank with no sequences this step: empty, but in the graph; one empty segment
+        # (cu_seqlens [0, 0]), since flash-attn 2 refuses a batch of zero sequences
         h, h_kv, d, dv = call.heads
         z = call.anchor
-        cu = torch.zeros(1, dtype=torch.int32, device=z.device)
+        cu = torch.zeros(2, dtype=torch.int32, device=z.device)
         return VarlenArgs(z.view(0, 1, d), z.view(0, 1, d), z.view(0, 1, dv), cu, cu, 0, 0)
     if form == "one":
         b = call.batches[0]
+        if b.q.shape[0] == 0:  # no tokens here: one empty segment, as above
+            cu = torch.zeros(2, dtype=torch.int32, device=b.q.device)
+            return VarlenArgs(b.q, b.k, b.v, cu, cu, 0, 0)
         cu_k = b.cu_seqlens if b.cu_seqlens_k is None else b.cu_seqlens_k
         max_k = b.max_len if b.max_len_k is None else b.max_len_k
         return VarlenArgs(b.q, b.k, b.v, b.cu_seqlens, cu_k, b.max_len, max_k)
@@ -102,8 +124,8 @@ def flatten_pairs(call: UlyssesCall) -> VarlenArgs:
             lq += li_q.tolist()
             lk += li_k.tolist()
         q, k, v = torch.cat(qs)[:, None], torch.cat(ks)[:, None], torch.cat(vs)[:, None]
-    cu_q = _cu(lq, device)
-    cu_k = _cu(lk, device) if split else cu_q
+    cu_q = _cu(call, "q", lq, device)
+    cu_k = _cu(call, "k", lk, device) if split else cu_q
     return VarlenArgs(q, k, v, cu_q, cu_k, max(lq, default=0), max(lk, default=0) if split else max(lq, default=0))
 
 

@@ -1,0 +1,199 @@
+"""Workers for the per-layer checks without a rendezvous: from the second step of a kind on,
+``attention``/``pre_attn``/``post_attn`` after the step's first call make only the plan's data
+exchanges, and a bad or divergent call on one rank still ends every rank's step with a clear
+error (at the step's next agreement), with no hang."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.utils.checkpoint as ckpt
+
+from knapformer import BalancerInputError, DivergentCallError, SequenceBalancer, WorkloadModel
+from knapformer.attention import varlen_attention_qk
+from knapformer.plan import plan_from_groups
+
+H, D, LAYERS = 4, 8, 4
+MODEL = WorkloadModel(d_model=H * D, num_heads=H)
+RENDEZVOUS = ("all_reduce", "all_gather", "all_gather_into_tensor", "barrier", "broadcast", "reduce_scatter_tensor")
+
+
+class Counter:
+    """Counts the whole-group collectives (not the data exchanges) this process makes."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        for name in RENDEZVOUS:
+            orig = getattr(dist, name)
+
+            def counted(*args, _orig=orig, **kwargs):
+                self.n += 1
+                return _orig(*args, **kwargs)
+
+            setattr(dist, name, counted)
+
+
+def _lens(rank: int) -> list[int]:
+    return [40, 7, 90] if rank == 0 else [5 + rank, 13]
+
+
+def _layer(bal, h, path: str, bad=None):
+    """One attention layer through ``path`` (``attention`` or ``pre_attn``); ``bad(q, o)``
+    corrupts q (before) or the kernel output (after) on the rank that passes it."""
+    q = bad("q", h) if bad else h
+    if path == "attention":
+        o = bal.attention(q, q, q)
+    else:
+        args = bal.pre_attn(q, q, q)
+        o = varlen_attention_qk(*args)
+        o = bal.post_attn(bad("o", o) if bad else o)
+    return h + (o if o.shape == h.shape else 0 * o.sum())
+
+
+def _step(bal, counter, rank, path, layers=LAYERS, bad=None, skip=None, seed=0):
+    """A training step; returns (output rows, whole-group collectives per layer, in the backward)."""
+    bal.plan(_lens(rank))
+    g = torch.Generator().manual_seed(seed * 10 + rank)
+    x = torch.randn(sum(_lens(rank)), H, D, generator=g, dtype=torch.float64, requires_grad=True)
+    h = bal.route(x)
+    per_layer = []
+    for i in range(layers):
+        if skip is not None and skip(i):
+            continue
+        before = counter.n
+        h = _layer(bal, h, path, bad[1] if bad is not None and bad[0] == i else None)
+        per_layer.append(counter.n - before)
+    out = bal.reverse_route(h)
+    before = counter.n
+    out.square().sum().backward()
+    return out.detach(), per_layer, counter.n - before, x.grad
+
+
+def _outcome(fn):
+    t = time.monotonic()
+    try:
+        fn()
+    except BalancerInputError as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - t
+    return "ok", "", time.monotonic() - t
+
+
+def steady_state(rank: int, world: int) -> dict:
+    counter = Counter()
+    out: dict = {}
+    for path in ("attention", "pre_attn"):
+        bal = SequenceBalancer(f"g{world}n1", MODEL)  # every layer exchanges (Ulysses over all ranks)
+        out.update(_path_cases(bal, counter, rank, world, path))
+    out["recompute"] = _recompute(rank, world, counter)
+    out["ring"] = _ring(rank, world, counter)
+    return out
+
+
+def _path_cases(bal, counter: Counter, rank: int, world: int, path: str) -> dict:
+    out: dict = {}
+    first = _step(bal, counter, rank, path)
+    later = [_step(bal, counter, rank, path) for _ in range(2)]
+    out[f"{path} counts"] = [first[1], first[2]] + [[s[1], s[2]] for s in later]
+    out[f"{path} same"] = all(torch.equal(s[0], first[0]) and torch.equal(s[3], first[3]) for s in later)
+
+    def bad_rows(what, t):
+        return torch.cat([t, t[:1]]) if rank == world - 1 and what == "q" else t
+
+    out[f"{path} bad rows"] = _outcome(lambda: _step(bal, counter, rank, path, bad=(2, bad_rows)))
+    out[f"{path} after"] = torch.equal(_step(bal, counter, rank, path)[0], first[0])  # the job goes on, exactly
+    if path == "pre_attn":
+
+        def bad_out(what, t):
+            return t[:-1] if rank == 0 and what == "o" else t
+
+        def bad_heads(what, t):
+            return torch.zeros(t.shape[0], 2 * H, D, dtype=t.dtype) if rank == 1 and what == "q" else t
+
+        out["post_attn bad output"] = _outcome(lambda: _step(bal, counter, rank, path, bad=(3, bad_out)))
+        out["pre_attn bad heads"] = _outcome(lambda: _step(bal, counter, rank, path, bad=(1, bad_heads)))
+    skip = lambda i: i == 2 and rank == 1  # noqa: E731
+    out[f"{path} skipped layer"] = _outcome(lambda: _step(bal, counter, rank, path, skip=skip))
+    out[f"{path} extra layer"] = _outcome(lambda: _step(bal, counter, rank, path, layers=LAYERS + (rank == 0)))
+    # an evaluation step (no gradients) is another kind of step: no error, its own schedule
+    with torch.no_grad():
+        bal.plan(_lens(rank))
+        h = bal.route(torch.ones(sum(_lens(rank)), H, D, dtype=torch.float64))
+        for _ in range(2):
+            h = _layer(bal, h, path)
+        bal.reverse_route(h)
+    out[f"{path} after eval"] = torch.equal(_step(bal, counter, rank, path)[0], first[0])
+    return out
+
+
+def _recompute(rank: int, world: int, counter: Counter):
+    """Activation checkpointing recomputes layers inside the backward; a bad recomputation on
+    one rank finishes the backward (its exchanges run on zeros) and every rank raises at the
+    next ``plan``."""
+    bal = SequenceBalancer(f"g{world}n1", MODEL)
+    bad = {"now": False}
+
+    def block(h):
+        q = torch.cat([h, h[:1]]) if bad["now"] and rank == 1 else h  # set for the recomputation only
+        o = bal.attention(q, q, q)
+        return h + (o if o.shape == h.shape else 0 * o.sum())
+
+    def step(bad_recompute=False):
+        bal.plan(_lens(rank))
+        x = torch.ones(sum(_lens(rank)), H, D, dtype=torch.float64, requires_grad=True)
+        h = bal.route(x)
+        for _ in range(2):
+            h = ckpt.checkpoint(block, h, use_reentrant=False)
+        out = bal.reverse_route(h)
+        before = counter.n
+        bad["now"] = bad_recompute
+        try:
+            out.sum().backward()
+        finally:
+            bad["now"] = False
+        return counter.n - before
+
+    first = step()  # learning: the recomputed layers agree too
+    steady = step()
+    backward = _outcome(lambda: step(bad_recompute=True))
+    raised = _outcome(lambda: bal.plan(_lens(rank)))
+    return first, steady, backward, raised
+
+
+def _ring(rank: int, world: int, counter: Counter):
+    """A pure ring over every rank (one head: no Ulysses split): later layers make only the
+    ring's exchanges; another head dim on one rank in a later step raises on every rank."""
+    bal = SequenceBalancer(f"g{world}n1", MODEL)
+    lens = [[97, 5]] + [[6]] * (world - 1)
+    plan = plan_from_groups(lens, [tuple(range(world))], [0, 0] + [0] * (world - 1), MODEL, ring=[world])
+
+    def step(bad=False):
+        bal.use_plan(plan)
+        h = bal.route(torch.ones(sum(lens[rank]), 1, D, dtype=torch.float64, requires_grad=True))
+        per = []
+        for i in range(3):
+            before = counter.n
+            q = h[:, :, : D // 2] if bad and i == 2 and rank == 1 else h
+            o = bal.attention(q, q, q)
+            h = h + (o if o.shape == h.shape else 0 * o.sum())
+            per.append(counter.n - before)
+        bal.reverse_route(h).sum().backward()
+        return per
+
+    counts = [step(), step()]
+    return counts, _outcome(lambda: step(bad=True)), step()
+
+
+def expected_errors() -> dict:
+    """Case -> (error type, texts every rank's message contains)."""
+    return {
+        "attention bad rows": (BalancerInputError, ["reverse_route: bad input on rank(s) [{last}]", "attention on"]),
+        "pre_attn bad rows": (BalancerInputError, ["reverse_route: bad input on rank(s) [{last}]", "pre_attn on"]),
+        "post_attn bad output": (BalancerInputError, ["reverse_route: bad input on rank(s) [0]", "post_attn got"]),
+        "pre_attn bad heads": (BalancerInputError, ["bad input on rank(s) [1]", "where every rank made pre_attn"]),
+        "attention skipped layer": (DivergentCallError, ["ranks made different calls", "a layer skipped"]),
+        "pre_attn skipped layer": (DivergentCallError, ["ranks made different calls", "a layer skipped"]),
+        "attention extra layer": (DivergentCallError, ["rank 0 at attention", "at reverse_route"]),
+        "pre_attn extra layer": (DivergentCallError, ["rank 0 at pre_attn", "at reverse_route"]),
+    }

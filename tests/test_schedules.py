@@ -1,0 +1,58 @@
+"""Per-layer calls without a rendezvous (the step's schedule): counted collectives, and bad or
+divergent calls on one rank raising on every rank in bounded time (2 and 4 gloo ranks)."""
+
+import pytest
+
+from knapformer.testing import run_distributed
+from tests import schedule_workers as W
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def results(request):
+    return request.param, run_distributed(W.steady_state, request.param, timeout=240)
+
+
+def test_layers_after_the_first_make_no_rendezvous_forward_or_backward(results):
+    """First step of a kind: every per-layer call agrees; later steps: only the first layer's
+    call does, none in the backward — and the outputs and gradients are bit-identical."""
+    _, res = results
+    for r in res:
+        att, pre = r["attention counts"], r["pre_attn counts"]
+        assert att[0] == [1, 1, 1, 1] and pre[0] == [2, 2, 2, 2], (att, pre)  # learning (pre + post each)
+        for per_layer, backward in att[2:] + pre[2:]:
+            assert per_layer == [1, 0, 0, 0] and backward == 0, (att, pre)
+        assert att[1] == 0 and pre[1] == 0  # the learning step's backward: no rendezvous either
+        assert r["attention same"] and r["pre_attn same"]
+        ring_counts = r["ring"][0]
+        assert ring_counts[1] == [1, 0, 0], ring_counts
+
+
+def test_bad_or_divergent_calls_raise_on_every_rank_in_bounded_time(results):
+    world, res = results
+    for case, (kind, texts) in W.expected_errors().items():
+        for rank, r in enumerate(res):
+            name, msg, seconds = r[case]
+            assert name == kind.__name__, (case, rank, name, msg)
+            for text in texts:
+                assert text.format(last=world - 1) in msg, (case, rank, msg)
+            assert seconds < 30, (case, seconds)
+    for r in res:
+        assert r["attention after"] and r["pre_attn after"]  # the next step is exact again
+        assert r["attention after eval"] and r["pre_attn after eval"]
+
+
+def test_a_bad_recomputation_in_the_backward_raises_at_the_next_plan(results):
+    _, res = results
+    for r in res:
+        first, steady, backward, raised = r["recompute"]
+        assert first == 2 and steady == 0, (first, steady)  # the recomputed layers agree only while learning
+        assert backward[0] == "ok", backward  # the backward completes on every rank (zeros on rank 1)
+        assert raised[0] == "BalancerInputError" and "bad input on rank(s) [1]" in raised[1], raised
+
+
+def test_a_ring_plan_raises_a_later_layers_bad_head_dim_everywhere(results):
+    _, res = results
+    for r in res:
+        _, bad, after = r["ring"]
+        assert bad[0] == "BalancerInputError" and "attention on rank 1" in bad[1], bad
+        assert after == [1, 0, 0], after
