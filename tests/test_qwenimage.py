@@ -174,10 +174,10 @@ def test_simulator_calibrator_and_cluster_know_the_presets(tmp_path):
     try:
         profile, report = calibrate(
             "diffusers-qwenimage-tiny",
-            lengths=[16, 32, 64],
-            holdout=[48],
-            fit_mixes=[[16] * 4, [32, 32]],
-            holdout_mixes=[[16, 48]],
+            lengths=[32, 128, 512],  # long enough to grow past per-call overhead on a busy VM
+            holdout=[256],
+            fit_mixes=[[32] * 4, [128, 128]],
+            holdout_mixes=[[32, 256]],
             repeats=1,
             progress=False,
         )
