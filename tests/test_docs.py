@@ -31,6 +31,8 @@ INTEGRATIONS = [
     "knapformer.integrations.flux",
     "knapformer.integrations.flux2",
     "knapformer.integrations.wan",
+    "knapformer.integrations.qwenimage",
+    "knapformer.integrations.hunyuanvideo15",
     "knapformer.integrations.torchtitan_flux",
 ]
 

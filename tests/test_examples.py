@@ -21,7 +21,16 @@ def _torchrun(script: str, ranks: int) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize("script", ["flux_train_step.py", "flux2_train_step.py", "wan_train_step.py"])
+@pytest.mark.parametrize(
+    "script",
+    [
+        "flux_train_step.py",
+        "flux2_train_step.py",
+        "wan_train_step.py",
+        "qwenimage_train_step.py",
+        "hunyuanvideo15_train_step.py",
+    ],
+)
 def test_example_runs_under_torchrun(script):
     pytest.importorskip("diffusers", reason="diffusers is not installed (pip install 'knapformer[diffusers]')")
     proc = _torchrun(script, 2)

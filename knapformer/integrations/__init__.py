@@ -9,6 +9,10 @@ Each model family is one module with its packed forward and a
   (``pip install 'knapformer[diffusers]'``; :mod:`knapformer.integrations.diffusers` is its old name);
 - :mod:`knapformer.integrations.flux2`: diffusers ``Flux2Transformer2DModel`` (diffusers 0.42);
 - :mod:`knapformer.integrations.wan`: diffusers ``WanTransformer3DModel`` (Wan 2.x T2V/I2V/FLF2V/TI2V);
+- :mod:`knapformer.integrations.qwenimage`: diffusers ``QwenImageTransformer2DModel`` (Qwen-Image,
+  -Edit, -Layered);
+- :mod:`knapformer.integrations.hunyuanvideo15`: diffusers ``HunyuanVideo15Transformer3DModel``
+  (HunyuanVideo 1.5 T2V/I2V);
 - :mod:`knapformer.integrations.torchtitan_flux`: torchtitan's ``FluxModel``
   (``pip install 'knapformer[torchtitan]'``).
 """

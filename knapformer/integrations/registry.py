@@ -29,6 +29,8 @@ FAMILIES: dict[str, str] = {
     "diffusers-flux": "knapformer.integrations.flux:FluxFamily",
     "diffusers-flux2": "knapformer.integrations.flux2:Flux2Family",
     "diffusers-wan": "knapformer.integrations.wan:WanFamily",
+    "diffusers-qwenimage": "knapformer.integrations.qwenimage:QwenImageFamily",
+    "diffusers-hunyuanvideo15": "knapformer.integrations.hunyuanvideo15:HunyuanVideo15Family",
     "torchtitan-flux": "knapformer.integrations.torchtitan_flux:TitanFluxFamily",
 }
 """Family name -> ``module:class`` of its adapter (imported when the family is asked for)."""

@@ -85,10 +85,11 @@ class _BusyTimer:
 
 def _sync_grads(model: torch.nn.Module, world: int) -> None:
     """Average gradients over ranks: plain data parallel with one flat all-reduce (what DDP's
-    bucketing does), identical for both runs."""
+    bucketing does), identical for both runs. Parameters without a gradient are skipped: a
+    stock model can have some on every rank (Qwen-Image's last block's text MLP feeds nothing)."""
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-    grads = [p.grad for p in model.parameters()]
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
     flat = _flatten_dense_tensors(grads)
     dist.all_reduce(flat)
     flat.div_(world)

@@ -1,0 +1,448 @@
+"""Packed, variable-length (and balanced) forward of a stock diffusers ``HunyuanVideo15Transformer3DModel``.
+
+    from knapformer.integrations import hunyuanvideo15 as hv
+    bal.plan(hv.hunyuanvideo15_seq_lens(model, samples))         # once per step: video + context tokens
+    outs = hv.packed_hunyuanvideo15_forward(model, samples, bal)  # list of (C_out, F, H, W) tensors
+
+Each sample brings its own frame count (an image is one frame), resolution, timestep and the
+model's three kinds of conditioning, each of its own length: MLLM text (Qwen2.5-VL states,
+refined by the model's token refiner), byT5 glyph text, and for I2V SigLIP image tokens. The
+model's own modules and weights do all the math; nothing is patched globally (the processor
+and hooks are in :mod:`knapformer.integrations.hunyuanvideo15_attention`). How:
+
+- **Conditioning at home**, as the stock forward builds it per sample: the refiner over the
+  sample's kept MLLM rows (their mean, its time embedding, self-attention within the sample),
+  the byT5 and image projections, each kind's ``cond_type_embed`` row. Masked-out rows are
+  dropped (the stock model masks them: they never reach a kept token). Absent or all-zero
+  ``image_embeds`` make a sample text-to-video (the stock model masks its image tokens out).
+- **One packed stream per sample**: its video tokens (the stock patch embedding), then its
+  context, routed right after embedding with integer (frame, row, column) positions; each
+  routed video token's RoPE is the stock ``get_1d_rotary_pos_embed`` at its position.
+- **Per-sample modulation at stock cost**: the time embedding runs once per sample, is gathered
+  to the group, and every AdaLN ``linear(silu(temb))`` runs once per sample this rank holds
+  tokens of, expanded to tokens by index ("batch = tokens": activations are ``[T, 1, D]``).
+  Blocks run as their own ``forward`` (FSDP2 per block, ``gradient_checkpointing``).
+
+Where it differs from a stock *batch*: the stock forward decides text-to-video for the whole
+batch (``torch.all(image_embeds == 0)``), so a batch mixing I2V and T2V samples attends to the
+T2V samples' zero image tokens; per sample (here, and in a stock batch of one) it does not.
+Where it differs from the stock per-sample forward: a sample with no MLLM text makes the stock
+refiner average over no token (0/0), so its gradients are NaN; here the refiner runs on none
+of that sample's tokens. Otherwise fp64 outputs and gradients agree to ~1e-14 (under ring
+plans the fp32 RoPE may round an attention's last-bit difference, as for Qwen-Image).
+
+Legend: T tokens (this rank's routed ones after routing), S samples, D hidden size.
+Importing knapformer never imports diffusers; this module does (diffusers >= 0.36, < 0.43).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from knapformer.executor import LocalExecutor, TokenExecutor, local_positions
+from knapformer.integrations._diffusers import (
+    PackedOutput,
+    batch_samples,
+    call_block,
+    cat_or_empty,
+    executor_or_local,
+    raise_sample_problem,
+    require_diffusers,
+    stack_scalars,
+)
+from knapformer.integrations.family import ModelFamily, StepInputs, block_runner
+from knapformer.integrations.hunyuanvideo15_attention import (
+    HunyuanPacked,
+    PerSample,
+    prepare_hunyuanvideo15,
+    refine_text,
+    rope_rows,
+)
+from knapformer.models.layers import merge_streams, split_streams
+from knapformer.workload import WorkloadModel
+
+__all__ = [
+    "DiffusersHunyuanVideo15Config",
+    "HunyuanVideo15Family",
+    "HunyuanVideo15Sample",
+    "PackedHunyuanVideo15Output",
+    "build_hunyuanvideo15",
+    "hunyuanvideo15_seq_lens",
+    "hunyuanvideo15_workload",
+    "packed_hunyuanvideo15_forward",
+    "prepare_hunyuanvideo15",
+    "samples_from_batch",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiffusersHunyuanVideo15Config:
+    """A randomly initialised diffusers ``HunyuanVideo15Transformer3DModel`` (no download); the
+    defaults are the ``diffusers-hunyuanvideo15-tiny`` preset."""
+
+    num_heads: int = 4
+    head_dim: int = 16
+    num_layers: int = 2
+    num_refiner_layers: int = 1
+    mlp_ratio: float = 4.0
+    in_channels: int = 9
+    """Input channels (released: 32 noisy latent + 32 condition latent + 1 mask = 65)."""
+    out_channels: int = 4
+    patch_size: int = 1
+    patch_size_t: int = 1
+    text_dim: int = 32
+    """MLLM (Qwen2.5-VL) state width, ``text_embed_dim``."""
+    text_2_dim: int = 16
+    """byT5 state width, ``text_embed_2_dim``."""
+    image_dim: int = 12
+    """SigLIP state width, ``image_embed_dim``."""
+    rope_axes_dim: tuple[int, int, int] = (4, 6, 6)
+    use_meanflow: bool = False
+
+    @property
+    def dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def in_dim(self) -> int:
+        """Features of one video token before the patch embedding (C·p_t·p·p)."""
+        return self.in_channels * self.patch_size_t * self.patch_size**2
+
+    @property
+    def out_dim(self) -> int:
+        return self.out_channels * self.patch_size_t * self.patch_size**2
+
+    @property
+    def vec_dim(self) -> int:
+        return 1
+
+    def workload(self, gamma: float = 1.0) -> WorkloadModel:
+        return _workload(self.dim, self.mlp_ratio, self.num_layers, self.num_heads, gamma)
+
+
+def _released() -> DiffusersHunyuanVideo15Config:
+    """HunyuanVideo-1.5 (8.3B; the 480p/720p T2V and I2V transformers share these sizes), from
+    diffusers' ``scripts/convert_hunyuan_video1_5_to_diffusers.py`` TRANSFORMER_CONFIGS (the
+    ``hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-*`` configs): 54 layers of 16 heads ×
+    128, 2 refiner layers, mlp_ratio 4, in 65 / out 32 channels, patch 1×1×1, text 3584, byT5
+    1472, image 1152, rope_axes_dim (16, 56, 56)."""
+    return DiffusersHunyuanVideo15Config(
+        num_heads=16,
+        head_dim=128,
+        num_layers=54,
+        num_refiner_layers=2,
+        in_channels=65,
+        out_channels=32,
+        text_dim=3584,
+        text_2_dim=1472,
+        image_dim=1152,
+        rope_axes_dim=(16, 56, 56),
+    )
+
+
+@dataclass
+class HunyuanVideo15Sample:
+    """One training sample for a HunyuanVideo 1.5 model (no batch dimension anywhere)."""
+
+    latents: torch.Tensor  # (C_in, F, H, W): noisy + condition latents + mask, as the pipeline joins them
+    text: torch.Tensor  # (L, text_embed_dim) MLLM states
+    timestep: torch.Tensor  # () in stock units (0..1000)
+    text_mask: torch.Tensor | None = None
+    """(L,) the MLLM mask (stock ``encoder_attention_mask``): False rows are dropped."""
+    text_2: torch.Tensor | None = None
+    """(L2, text_embed_2_dim) byT5 glyph states, or None (no glyph text)."""
+    text_2_mask: torch.Tensor | None = None
+    image_embeds: torch.Tensor | None = None
+    """(L_img, image_embed_dim) SigLIP states (I2V); None or all zeros: text-to-video."""
+    timestep_r: torch.Tensor | None = None
+    """() the MeanFlow reference timestep (``use_meanflow`` models), or None."""
+
+
+class PackedHunyuanVideo15Output(PackedOutput):
+    """Per-sample outputs (C_out, F, H, W) in order, plus ``flat``: this rank's outputs as
+    (T, C_out·p_t·p·p) token rows (sample order; see ``PackedOutput``)."""
+
+
+def _workload(d: int, mlp_ratio: float, layers: int, heads: int, gamma: float) -> WorkloadModel:
+    """Per token and layer: q/k/v/o (4·d²) and the MLP (2·mlp_ratio·d²) multiply-adds, 2 FLOPs
+    each, in either stream (24·d² at the released mlp_ratio 4)."""
+    linear = 2.0 * (4.0 + 2.0 * mlp_ratio) * d * d
+    return WorkloadModel(d_model=d, gamma=gamma, num_layers=layers, num_heads=heads, linear=linear)
+
+
+def hunyuanvideo15_workload(model, *, gamma: float = 1.0) -> WorkloadModel:
+    """The planner's cost model of a ``HunyuanVideo15Transformer3DModel`` (its width, MLP
+    ratio, dual-stream layers and heads; the 2-layer text refiner runs where the text was
+    loaded and is left out)."""
+    c = model.config
+    d = c.num_attention_heads * c.attention_head_dim
+    return _workload(d, c.mlp_ratio, c.num_layers, c.num_attention_heads, gamma)
+
+
+def build_hunyuanvideo15(cfg: DiffusersHunyuanVideo15Config):
+    """Random-init ``HunyuanVideo15Transformer3DModel`` for a :class:`DiffusersHunyuanVideo15Config`."""
+    require_diffusers()
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    return HunyuanVideo15Transformer3DModel(
+        in_channels=cfg.in_channels,
+        out_channels=cfg.out_channels,
+        num_attention_heads=cfg.num_heads,
+        attention_head_dim=cfg.head_dim,
+        num_layers=cfg.num_layers,
+        num_refiner_layers=cfg.num_refiner_layers,
+        mlp_ratio=cfg.mlp_ratio,
+        patch_size=cfg.patch_size,
+        patch_size_t=cfg.patch_size_t,
+        text_embed_dim=cfg.text_dim,
+        text_embed_2_dim=cfg.text_2_dim,
+        image_embed_dim=cfg.image_dim,
+        rope_axes_dim=cfg.rope_axes_dim,
+        use_meanflow=cfg.use_meanflow,
+    )
+
+
+# -- per-sample pieces ---------------------------------------------------------------------------------
+def _kept(rows: torch.Tensor | None, mask) -> torch.Tensor:
+    """Indices of the kept rows of an optional (L, *) tensor under an optional (L,) mask."""
+    if rows is None or mask is None:
+        return torch.arange(0 if rows is None else int(rows.shape[0]))
+    return torch.nonzero(torch.as_tensor(mask).reshape(-1).to(torch.bool).cpu()).flatten()
+
+
+def _image_rows(s: HunyuanVideo15Sample) -> int:
+    """Image tokens the sample attends to: 0 for text-to-video (none, or all zeros)."""
+    img = s.image_embeds
+    return 0 if img is None or not bool(torch.as_tensor(img).ne(0).any()) else int(img.shape[0])
+
+
+def _grid(model, latents: torch.Tensor) -> tuple[int, int, int]:
+    c, (_, f, h, w) = model.config, latents.shape
+    return f // c.patch_size_t, h // c.patch_size, w // c.patch_size
+
+
+def _parts(model, s: HunyuanVideo15Sample) -> tuple[int, int, int, int]:
+    """(video, image, byT5, MLLM) tokens of a sample as the packed forward lays them out."""
+    glyph, mllm = _kept(s.text_2, s.text_2_mask).numel(), _kept(s.text, s.text_mask).numel()
+    return math.prod(_grid(model, s.latents)), _image_rows(s), int(glyph), int(mllm)
+
+
+def hunyuanvideo15_seq_lens(model, samples: Sequence[HunyuanVideo15Sample]) -> list[int]:
+    """Tokens of each sample (video + image + byT5 + MLLM kept rows): the lengths to plan with.
+    Never raises for a malformed sample: the forward reports it on every rank of the group."""
+    out = []
+    for s in samples:
+        try:
+            out.append(sum(_parts(model, s)))
+        except (AttributeError, IndexError, RuntimeError, TypeError, ValueError):
+            out.append(0)
+    return out
+
+
+def _problem(model, samples: Sequence[HunyuanVideo15Sample]) -> str:
+    """Why these samples cannot run on this model ("" if they can)."""
+    c = model.config
+    p = (c.patch_size_t, c.patch_size, c.patch_size)
+    for i, s in enumerate(samples):
+        shape = tuple(s.latents.shape)
+        if len(shape) != 4 or shape[0] != c.in_channels:
+            return f"sample {i}: latents must be ({c.in_channels}, F, H, W), got {shape}"
+        if any(n % k or n == 0 for n, k in zip(shape[1:], p)):
+            return f"sample {i}: latents (F, H, W) = {shape[1:]} must be positive multiples of the patch size {p}"
+        for name, t, m, width in (
+            ("text", s.text, s.text_mask, c.text_embed_dim),
+            ("text_2", s.text_2, s.text_2_mask, c.text_embed_2_dim),
+            ("image_embeds", s.image_embeds, None, c.image_embed_dim),
+        ):
+            if t is None and name != "text":
+                continue
+            if t is None or t.dim() != 2 or t.shape[1] != width:
+                return f"sample {i}: {name} must be (L, {width}), got {None if t is None else tuple(t.shape)}"
+            if m is not None and tuple(torch.as_tensor(m).shape) != (t.shape[0],):
+                return f"sample {i}: the mask of {name} must be ({t.shape[0]},), got {tuple(torch.as_tensor(m).shape)}"
+        if torch.as_tensor(s.timestep).numel() != 1:
+            return f"sample {i}: timestep must be one value, got {torch.as_tensor(s.timestep).numel()}"
+        if s.timestep_r is not None and not c.use_meanflow:
+            return f"sample {i}: timestep_r is given but this model has no MeanFlow embedder (use_meanflow=False)"
+    return ""
+
+
+# -- forward -------------------------------------------------------------------------------------------
+def _time(model, samples, ts, dtype, device) -> torch.Tensor:
+    """(S, D) time embeddings (plus the MeanFlow reference embedding of samples that have one)."""
+    te = model.time_embed
+    temb = te(ts)
+    if te.use_meanflow:  # (runs on no rows too: every rank's parameters get a gradient)
+        has = torch.tensor([s.timestep_r is not None for s in samples], dtype=torch.bool)
+        idx = torch.nonzero(has).flatten().to(device)
+        r = stack_scalars([s.timestep_r for s in samples if s.timestep_r is not None], device, dtype)
+        temb = temb.index_add(0, idx, te.timestep_embedder_r(te.time_proj_r(r).to(dtype)))
+    return temb
+
+
+def packed_hunyuanvideo15_forward(
+    model, samples: Sequence[HunyuanVideo15Sample], executor: TokenExecutor | None = None
+) -> PackedHunyuanVideo15Output:
+    """Outputs (C_out, F, H, W) for each sample, in order; differentiable.
+
+    ``executor`` is a ``SequenceBalancer`` already planned for this step with
+    ``hunyuanvideo15_seq_lens(model, samples)`` (every rank of the group calls this function),
+    a ``LocalExecutor``, or None (everything on this process)."""
+    prepare_hunyuanvideo15(model)
+    raise_sample_problem(executor, _problem(model, samples))
+    c = model.config
+    proj = model.x_embedder.proj
+    device, dtype = proj.weight.device, proj.weight.dtype
+    grids = [_grid(model, s.latents) for s in samples]
+    parts = [_parts(model, s) for s in samples]
+    seq_lens = [sum(p) for p in parts]
+    ts = stack_scalars([s.timestep for s in samples], device, dtype)
+    # 1. embed at home: every module runs (on empty inputs too), so every parameter gets a gradient
+    if samples:
+        vid = torch.cat([model.x_embedder(s.latents[None].to(device, dtype))[0] for s in samples])
+    else:
+        vid = proj(torch.zeros(0, c.in_channels, *proj.kernel_size, device=device, dtype=dtype)).flatten(1)
+    imgs = [s.image_embeds for s, p in zip(samples, parts) if p[1]]
+    img = model.image_embedder(cat_or_empty(imgs, (0, c.image_embed_dim), device, dtype))
+    b5 = [s.text_2.index_select(0, _kept(s.text_2, s.text_2_mask)) for s in samples if s.text_2 is not None]
+    b5 = model.context_embedder_2(cat_or_empty(b5, (0, c.text_embed_2_dim), device, dtype))
+    mllm = [s.text.index_select(0, _kept(s.text, s.text_mask)) for s in samples]
+    txt = refine_text(model, mllm, ts, device, dtype)
+    kinds = torch.cat([torch.full((n.shape[0],), k, device=device) for k, n in ((2, img), (1, b5), (0, txt))])
+    ctx = torch.cat([img, b5, txt]) + model.cond_type_embed(kinds.long())
+    h_local = torch.cat([vid, ctx]).index_select(0, _order(parts, device))
+    pos = [
+        torch.cat([_positions(*g, device), torch.zeros(n - math.prod(g), 3, dtype=torch.int64, device=device)])
+        for g, n in zip(grids, seq_lens)
+    ]  # context rows have no position
+    pos_local = cat_or_empty(pos, (0, 3), device, torch.int64)
+    # 2. route with the grid positions; per-sample conditioning to the group
+    ex = executor_or_local(executor, seq_lens)
+    h, pos_r = ex.route(h_local, pos_local, seq_lens=seq_lens)
+    temb = _time(model, samples, ts, dtype, device)
+    nv = torch.tensor([p[0] for p in parts], dtype=torch.int64, device=device)
+    temb_all, nv_all = ex.gather_sequences(temb, nv, names=("time embedding", "video tokens"))
+    seq_id, p = ex.routed_positions(device)
+    present, slot = torch.unique(seq_id, sorted=True, return_inverse=True)  # samples with tokens here
+    r_vid, r_ctx, r_inv = split_streams(p < nv_all.index_select(0, seq_id))
+    temb_p = temb_all.index_select(0, present)
+    per = PerSample(temb_p, {"vid": slot.index_select(0, r_vid), "ctx": slot.index_select(0, r_ctx)})
+    packed = HunyuanPacked(ex, r_inv, torch.cat([r_vid, r_ctx]))
+    rope = rope_rows(model, pos_r.index_select(0, r_vid))
+    vid_s, ctx_s = h.index_select(0, r_vid).unsqueeze(1), h.index_select(0, r_ctx).unsqueeze(1)  # (T, 1, D)
+    # 3. stock dual-stream blocks
+    for block in model.transformer_blocks:
+        vid_s, ctx_s = call_block(model, block, vid_s, ctx_s, per, packed, rope)
+    # 4. the stock output norm with each video token's own row, the projection, back home
+    mod = model.norm_out.linear(model.norm_out.silu(temb_p).to(dtype)).index_select(0, per.rows["vid"])
+    scale, shift = torch.chunk(mod, 2, dim=1)
+    out_vid = model.proj_out(model.norm_out.norm(vid_s) * (1 + scale)[:, None, :] + shift[:, None, :])[:, 0]
+    out = ex.reverse_route(merge_streams(out_vid, out_vid.new_zeros(r_ctx.numel(), out_vid.shape[1]), r_inv))
+    seq_l, pos_l = local_positions(seq_lens, device)
+    rows = out.index_select(0, torch.nonzero(pos_l < nv.index_select(0, seq_l)).flatten()) if samples else out[:0]
+    return PackedHunyuanVideo15Output.of(_unpatchify(model, rows, grids), rows)
+
+
+def _positions(f: int, h: int, w: int, device) -> torch.Tensor:
+    """(f·h·w, 3) int64 (frame, row, column) of each video token in stock flatten order."""
+    grid = torch.meshgrid(*(torch.arange(n, device=device) for n in (f, h, w)), indexing="ij")
+    return torch.stack(grid, dim=-1).reshape(-1, 3)
+
+
+def _order(parts, device) -> torch.Tensor:
+    """Rows of ``cat([video of all samples, image of all, byT5 of all, MLLM of all])`` in the
+    packed layout: per sample its video, then its image, byT5 and MLLM tokens (the stock order)."""
+    sizes = torch.tensor(parts, dtype=torch.int64).reshape(-1, 4)
+    starts = (sizes.T.reshape(-1).cumsum(0) - sizes.T.reshape(-1)).reshape(4, -1).T
+    idx = [torch.arange(int(n)) + int(s0) for row, st in zip(sizes, starts) for n, s0 in zip(row, st)]
+    return torch.cat(idx).to(device) if idx else torch.zeros(0, dtype=torch.int64, device=device)
+
+
+def _unpatchify(model, rows: torch.Tensor, grids) -> list[torch.Tensor]:
+    c = model.config
+    pt, p = c.patch_size_t, c.patch_size
+    outs = []
+    for r, (f, h, w) in zip(torch.split(rows, [math.prod(g) for g in grids]) if grids else (), grids):
+        o = r.reshape(f, h, w, -1, pt, p, p).permute(3, 0, 4, 1, 5, 2, 6)
+        outs.append(o.reshape(o.shape[0], f * pt, h * p, w * p))
+    return outs
+
+
+def samples_from_batch(batch, cfg: DiffusersHunyuanVideo15Config, *, seed: int) -> list[HunyuanVideo15Sample]:
+    """HunyuanVideo 1.5 samples from a synthetic :class:`~knapformer.data.batches.Batch`: each
+    sequence's visual rows become one frame on the most square exact grid (a text-only
+    sequence gets a 1-token stand-in), its text rows random MLLM states (T2V, no glyph text)."""
+    g = torch.Generator().manual_seed(seed)
+    pt, p, C = cfg.patch_size_t, cfg.patch_size, cfg.in_channels
+    out = []
+    for s in batch_samples(batch):
+        n = max(int(s.visual.shape[0]), 1)
+        h = next(d for d in range(math.isqrt(n), 0, -1) if n % d == 0)
+        rows = s.visual[:, : cfg.in_dim] if s.visual.shape[0] else batch.x.new_zeros(1, cfg.in_dim)
+        lat = rows.reshape(1, h, n // h, C, pt, p, p).permute(3, 0, 4, 1, 5, 2, 6).reshape(C, pt, h * p, n // h * p)
+        text = torch.randn(s.text.shape[0], cfg.text_dim, generator=g).to(batch.x.dtype)
+        out.append(HunyuanVideo15Sample(latents=lat, text=text, timestep=s.timestep * 1000))
+    return out
+
+
+class HunyuanVideo15Family(ModelFamily):
+    """Stock diffusers ``HunyuanVideo15Transformer3DModel`` for the tools (presets
+    ``diffusers-hunyuanvideo15-tiny`` and ``diffusers-hunyuanvideo15-8.3b``, the released size)."""
+
+    name = "diffusers-hunyuanvideo15"
+    presets = {"tiny": DiffusersHunyuanVideo15Config, "8.3b": _released}
+
+    def build(self):
+        return build_hunyuanvideo15(self.config)
+
+    def workload(self, gamma: float = 1.0) -> WorkloadModel:
+        return self.config.workload(gamma)
+
+    def inputs(self, batch):
+        """Samples of a batch and the targets of their video rows (a text-only sequence's
+        1-token stand-in gets a zero target)."""
+        cfg = self.config
+        samples = samples_from_batch(batch, cfg, seed=0)
+        zero = batch.target.new_zeros(1, cfg.out_dim)
+        parts = [s.target if s.visual.shape[0] else zero for s in batch_samples(batch)]
+        target = torch.cat(parts) if parts else batch.target[:0]
+        video = [math.prod(s.latents.shape[1:]) // (cfg.patch_size_t * cfg.patch_size**2) for s in samples]
+        return StepInputs(
+            seq_lens=[v + int(s.text.shape[0]) for v, s in zip(video, samples)], args=samples, target=target
+        )
+
+    def forward(self, model, inputs, executor):
+        return packed_hunyuanvideo15_forward(getattr(model, "module", model), inputs.args, executor).flat
+
+    def blocks(self, device, dtype, causal):
+        """One stock dual-stream block on packed tokens of the given lengths (an eighth of each
+        sequence context, the rest video), through a ``LocalExecutor``."""
+        if causal:
+            raise ValueError(
+                "--causal applies to the transformer presets only (HunyuanVideo attention is bidirectional)"
+            )
+        cfg = self.config
+        model = build_hunyuanvideo15(dataclasses.replace(cfg, num_layers=1, num_refiner_layers=1)).to(device)
+        if dtype != torch.float32:  # (a dtype argument, even float32, makes diffusers warn)
+            model = model.to(dtype)
+        prepare_hunyuanvideo15(model)
+        block = model.transformer_blocks[0]
+
+        def make(seq_lens, backward):
+            ex = LocalExecutor(seq_lens)
+            seq, p = local_positions(seq_lens, device)
+            r_vid, r_ctx, r_inv = split_streams(p >= torch.tensor([n // 8 for n in seq_lens], device=device)[seq])
+            temb = torch.randn(len(seq_lens), cfg.dim, device=device, dtype=dtype)
+            per = PerSample(temb, {"vid": seq.index_select(0, r_vid), "ctx": seq.index_select(0, r_ctx)})
+            packed = HunyuanPacked(ex, r_inv, torch.cat([r_vid, r_ctx]))
+            rope = rope_rows(model, torch.stack([torch.zeros_like(p), p // 64, p % 64], 1).index_select(0, r_vid))
+            x = lambda n: torch.randn(n, 1, cfg.dim, device=device, dtype=dtype, requires_grad=backward)  # noqa: E731
+            vid, ctx = x(r_vid.numel()), x(r_ctx.numel())
+            return block_runner(lambda: torch.cat(block(vid, ctx, per, packed, rope)), backward)
+
+        return [("hunyuanvideo15", cfg.num_layers, make)]
