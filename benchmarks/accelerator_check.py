@@ -1,8 +1,12 @@
-"""One prepared accelerator check: CUDA attention backends, the executor on CUDA/NCCL, a measured
-Flux-block profile, the cluster model from it, and an 8-rank CPU run on dedicated cores.
+"""One prepared accelerator check: what is installed, the executor's exchanges on CUDA tensors,
+CUDA attention backends, a measured Flux-block profile, the cluster model from it, and ring
+attention's block kernels — what CI, which has no GPU, cannot run.
 
-    python benchmarks/accelerator_check.py            # on the GPU machine (≤ 8 minutes)
-    python benchmarks/accelerator_check.py --smoke    # on CPU, well under a minute (CI runs it)
+    PYTHONPATH=. python benchmarks/accelerator_check.py --out DIR   # the GPU machine: one command, ≤ 6 min
+    python benchmarks/accelerator_check.py --smoke                   # on CPU, under a minute (CI runs it)
+
+Parts run in the order given (``--parts``, default 0, 2, 1, 3, 4, 6, 7, 8: the new executor
+part first); a part that would start after ``--budget-s`` (330 s) is skipped and says so.
 
 Writes ``runs/accelerator/check.json`` and ``check.txt`` (``--smoke``: ``runs/accelerator/smoke/``),
 and for part 3 ``profiles/<gpu>-flux.json`` + PNG. Each part reports ``ok``, ``failed`` (with
@@ -11,15 +15,18 @@ others. Uses whatever torch is installed (CUDA or CPU): run it from the working 
 ``PYTHONPATH=.`` — it needs numpy and matplotlib; diffusers is not used.
 
 Parts:
+0. preflight (seconds): torch, CUDA, the GPU, NCCL and flash-attn versions;
 1. attention backends vs the per-sequence reference (bf16 and fp32, causal and not, GQA) and
    timed on DiT-typical packed batches; the fastest measured backend is reported per batch;
-2. the executor on CUDA tensors in a 1-rank NCCL group: route/reverse round trip, attention and
-   backward equal to local math, host syncs counted per phase (CUDA sync debug mode);
+2. the executor on CUDA tensors (``benchmarks/accel_executor.py``): 2 and 4 gloo ranks sharing
+   the GPU run route, Ulysses, ring rounds, the K/V gather of ``pre_attn``, cross-attention, an
+   empty rank and ``measure=True``, against one-process math, with knapformer's host reads
+   counted per phase (layers after the first: none) and the bytes each rank routed; then one
+   NCCL rank runs plan, route, layers and the CUDA-event timer under CUDA's sync debug mode;
 3. ``knapformer calibrate`` of the ``flux`` preset's double and single blocks (bf16 on CUDA);
 4. ``knapformer cluster`` for paper-mixres and paper-joint at 32 and 1,024 GPUs from that
    profile, next to the paper's 32-H100 g8n4 figures (8.05 s -> 3.44 s);
-5. ``knapformer simulate`` with 8 gloo CPU ranks, one core each (wall clock meaningful), on an
-   8-rank mix with paper-mixres's proportions, with and without balancing;
+(5, an 8-rank simulation on CPU cores, is dropped: CPU-only work does not need the GPU's time);
 6. ring attention's block math on the device: a sequence cut into r contiguous blocks
    (r = 2, 4; causal and not; GQA), each block pair run and merged by log-sum-exp as a ring
    rank would, forward and backward against whole-sequence attention (fp64 exact, bf16
@@ -51,7 +58,6 @@ import statistics
 import sys
 import time
 import traceback
-import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -187,77 +193,14 @@ def _free_port() -> int:
 
 
 def part_executor(smoke: bool) -> dict:
-    import datetime
+    """Part 2: the balancer's exchanges on CUDA tensors (benchmarks/accel_executor.py): 2 and 4
+    gloo ranks sharing the GPU, then one NCCL rank for plan and the timer."""
+    import accel_executor as ex  # beside this file
 
-    import torch.distributed as dist
-
-    from knapformer import BalancerConfig, SequenceBalancer, WorkloadModel
-    from knapformer.testing import reference_attention
-
-    device = torch.device("cpu") if smoke else _cuda()
-    backend = "gloo" if smoke else "nccl"
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://127.0.0.1:{_free_port()}",
-        rank=0,
-        world_size=1,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        bal = SequenceBalancer(BalancerConfig(layout="g1n1", cost=WorkloadModel(d_model=64)))
-        lens = [33, 1, 200, 7]
-        out = {"backend": backend, "device": str(device)}
-        g = torch.Generator().manual_seed(0)
-        dtypes = (torch.float32, torch.bfloat16, torch.int64, torch.bool)
-        xs = [torch.randn(sum(lens), 3, generator=g).to(device, d) for d in dtypes[:2]]
-        xs += [torch.randint(0, 1 << 40, (sum(lens),), device=device), torch.rand(sum(lens), device=device) > 0.5]
-        bal.plan(lens)
-        back = bal.reverse_route(*bal.route(*xs))
-        out["round_trip_exact"] = all(torch.equal(a, b) for a, b in zip(back, xs))
-        q, k, v = (
-            torch.randn(sum(lens), 8, 16, device=device, dtype=torch.float64, requires_grad=True) for _ in range(3)
-        )
-        ref = reference_attention(q, k, v, lens)
-        o = bal.reverse_route(bal.attention(*bal.route(q, k, v)))
-        w = torch.randn_like(o)
-        grads = torch.autograd.grad((o * w).sum(), (q, k, v))
-        ref_grads = torch.autograd.grad((ref * w).sum(), (q, k, v))
-        out["attention_max_err"] = float((o - ref).detach().abs().max())
-        out["grad_max_err"] = max(float((a - b).abs().max()) for a, b in zip(grads, ref_grads))
-        # host syncs per phase, warm (the second step of one plan), CUDA sync debug mode
-        syncs: dict = {}
-        if device.type == "cuda":
-            qb = torch.randn(sum(lens), 8, 16, device=device, dtype=torch.bfloat16)
-            for _step in range(2):
-                bal.plan(lens)
-                phases = {}
-                torch.cuda.set_sync_debug_mode("warn")
-                try:
-                    with warnings.catch_warnings(record=True) as caught:
-                        warnings.simplefilter("always")
-                        y = bal.route(qb)
-                        phases["route"] = len(caught)
-                        for layer in range(3):
-                            n0 = len(caught)
-                            bal.attention(y, y, y)
-                            phases[f"attention layer {layer + 1}"] = len(caught) - n0
-                        n0 = len(caught)
-                        bal.reverse_route(y)
-                        phases["reverse_route"] = len(caught) - n0
-                finally:
-                    torch.cuda.set_sync_debug_mode(0)
-                syncs = phases
-        else:
-            syncs = "skipped: counting host syncs needs CUDA"
-        out["host_syncs_warm_step"] = syncs
-        out["status"] = (
-            "ok"
-            if out["round_trip_exact"] and out["attention_max_err"] < 1e-10 and out["grad_max_err"] < 1e-10
-            else "failed"
-        )
-        return out
-    finally:
-        dist.destroy_process_group()
+    out = {"multi_rank": ex.part_multi_rank(smoke), "nccl_rank": ex.part_nccl_rank(smoke, _free_port())}
+    states = [out["multi_rank"]["status"], out["nccl_rank"]["status"]]
+    out["status"] = "failed" if "failed" in states else "ok"
+    return out
 
 
 # -- parts 3-5: the project's own tools --------------------------------------------------------------
@@ -353,34 +296,6 @@ def part_cluster(smoke: bool, profile: str | None) -> dict:
             )
     ok = all("error" not in r for r in rows)
     return {"status": "ok" if ok else "failed", "hardware": hw, "rows": rows, "paper_32_h100_g8n4": PAPER_32_H100_G8N4}
-
-
-def part_simulate(smoke: bool) -> dict:
-    from knapformer.tools.sim_config import SimConfig
-    from knapformer.tools.simulate import simulate
-
-    cores = os.cpu_count() or 1
-    ranks = 2 if smoke else 8
-    if not smoke and cores < ranks:
-        raise Skip(f"{cores} CPU cores: 8 ranks would time-share")
-    cfg = SimConfig(
-        ranks=ranks,
-        mix="g1b2i128f1s0,g1b1i256f1s0" if smoke else MIXRES_8,
-        scale=2 if smoke else 4,
-        model="mmdit-tiny" if smoke else "mmdit-small",
-        steps=1 if smoke else 5,
-        warmup=0 if smoke else 1,
-        peak_tflops=0.01 if smoke else None,
-        progress=False,
-    )
-    rep = simulate(cfg)
-    bal, unb = rep["modes"]["balanced"], rep["modes"]["unbalanced"]
-    out = {"ranks": ranks, "cores": cores, "mix": cfg.mix, "scale": cfg.scale, "model": cfg.model}
-    for key in ("speedup", "ideal_speedup", "loss_match"):
-        out[key] = rep.get(key)
-    out["step_s"] = {"unbalanced": unb.get("step_time"), "balanced": bal.get("step_time")}
-    out["status"] = "ok" if rep.get("loss_match") else "failed"
-    return out
 
 
 # -- driver -------------------------------------------------------------------------------------------
@@ -621,7 +536,32 @@ def part_gather_kernel(smoke: bool) -> dict:
     return {"status": "ok" if ok else "failed", "backends": backends, "rel_err": errors, "worst": worst, "rows": rows}
 
 
-def _run(name: str, fn, results: dict) -> None:
+def preflight() -> dict:
+    """What is installed (a few seconds): torch, CUDA, the GPU, NCCL, flash-attn, knapformer."""
+    info: dict = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    info["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    try:
+        info["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None
+    except Exception as exc:  # a torch built without NCCL
+        info["nccl"] = f"unavailable: {exc}"
+    try:
+        import flash_attn
+
+        info["flash_attn"] = flash_attn.__version__
+    except Exception as exc:
+        info["flash_attn"] = f"not importable ({type(exc).__name__})"
+    import knapformer
+
+    info["knapformer"] = getattr(knapformer, "__version__", "?")
+    info["status"] = "ok"
+    return info
+
+
+def _run(name: str, fn, results: dict, deadline: float | None = None) -> None:
+    if deadline is not None and time.monotonic() > deadline:
+        results[name] = {"status": "skipped", "reason": "the check's time budget is spent", "seconds": 0.0}
+        print(f"[skipped] {name} (budget)", flush=True)
+        return
     t = time.perf_counter()
     try:
         results[name] = fn()
@@ -641,30 +581,33 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, CUDA parts skipped (CI)")
     p.add_argument("--out", default=None, help="output folder (default runs/accelerator[/smoke])")
-    p.add_argument("--parts", default="1,2,3,4,5,6,7,8", help="comma-separated part numbers to run")
+    p.add_argument("--parts", default="0,2,1,3,4,6,7,8", help="comma-separated part numbers, in order (0: preflight)")
+    p.add_argument("--budget-s", type=float, default=330.0, help="skip parts that would start after this many seconds")
     args = p.parse_args(argv)
+    deadline = time.monotonic() + args.budget_s
     out_dir = Path(args.out) if args.out else ROOT / "runs" / "accelerator" / ("smoke" if args.smoke else "")
     out_dir.mkdir(parents=True, exist_ok=True)
-    parts = {int(x) for x in args.parts.split(",")}
+    order = [int(x) for x in args.parts.split(",")]
     results: dict = {}
     smoke = args.smoke
-    if 1 in parts:
-        _run("1 attention backends", lambda: part_attention(smoke), results)
-    if 2 in parts:
-        _run("2 executor (1-rank group)", lambda: part_executor(smoke), results)
-    if 3 in parts:
-        _run("3 calibrate blocks", lambda: part_calibrate(smoke, out_dir), results)
-    if 4 in parts:
-        prof = results.get("3 calibrate blocks", {}).get("profile")
-        _run("4 cluster from the profile", lambda: part_cluster(smoke, prof), results)
-    if 5 in parts:
-        _run("5 simulate on dedicated cores", lambda: part_simulate(smoke), results)
-    if 6 in parts:
-        _run("6 ring block math", lambda: part_ring(smoke), results)
-    if 7 in parts:
-        _run("7 ring block kernels", lambda: part_ring_kernels(smoke), results)
-    if 8 in parts:
-        _run("8 pre_attn kernel on ring blocks", lambda: part_gather_kernel(smoke), results)
+    runs = {
+        0: ("0 preflight", preflight),
+        1: ("1 attention backends", lambda: part_attention(smoke)),
+        2: ("2 executor on the device (gloo ranks sharing it; one NCCL rank)", lambda: part_executor(smoke)),
+        3: ("3 calibrate blocks", lambda: part_calibrate(smoke, out_dir)),
+        4: (
+            "4 cluster from the profile",
+            lambda: part_cluster(smoke, results.get("3 calibrate blocks", {}).get("profile")),
+        ),
+        6: ("6 ring block math", lambda: part_ring(smoke)),
+        7: ("7 ring block kernels", lambda: part_ring_kernels(smoke)),
+        8: ("8 pre_attn kernel on ring blocks", lambda: part_gather_kernel(smoke)),
+    }
+    for part in order:
+        if part not in runs:
+            raise SystemExit(f"unknown part {part}; choose from {sorted(runs)} (part 5 ran CPU ranks: dropped)")
+        name, fn = runs[part]
+        _run(name, fn, results, deadline)
     meta = {
         "smoke": smoke,
         "torch": torch.__version__,
@@ -689,11 +632,25 @@ def main(argv: list[str] | None = None) -> int:
                 f"    cluster {r['mix']} {r['gpus']} GPUs {r['bags']}: {r['none_s']:.2f} s -> "
                 f"{r['balanced_s']:.2f} s ({r['speedup']:.2f}x)"
             )
-    sim = results.get("5 simulate on dedicated cores", {})
-    if sim.get("status") == "ok":
+    pre = results.get("0 preflight", {})
+    if pre:
         lines.append(
-            f"    simulate {sim['ranks']} ranks: speedup {sim['speedup']:.3f}x of ideal {sim['ideal_speedup']:.3f}x"
+            f"    preflight: torch {pre.get('torch')}, CUDA {pre.get('cuda')}, {pre.get('gpu')}, "
+            f"NCCL {pre.get('nccl')}, flash-attn {pre.get('flash_attn')}"
         )
+    p2 = results.get("2 executor on the device (gloo ranks sharing it; one NCCL rank)", {})
+    for world, w in p2.get("multi_rank", {}).get("worlds", {}).items():
+        for name, c in w["cases"].items():
+            lines.append(
+                f"    {world} ranks on {w['device']} {name}: err {c['worst_err']:.1e}, syncs in layers 2+ "
+                f"{c['syncs_layers_after_first']}, ranks with data {c['ranks_with_data']}, measured own work "
+                f"{[None if m is None else [round(x * 1e3, 1) for x in m] for m in c['measured_s']][:1]} ms, "
+                f"wall {[round(x * 1e3, 1) for x in c['median_wall_s']]} ms"
+            )
+    nccl = p2.get("nccl_rank", {})
+    if nccl.get("syncs_per_phase"):
+        lines.append(f"    NCCL rank syncs per phase (warm): {nccl['syncs_per_phase'].get('step 3')}")
+        lines.append(f"    NCCL rank measured seconds (CUDA events, a step late): {nccl.get('measured_s')}")
     gk = results.get("8 pre_attn kernel on ring blocks", {})
     if "worst" in gk:
         names = ", ".join(gk["backends"])

@@ -43,6 +43,8 @@ _GRAPHS: dict[int, tuple] = {}
 _keys = itertools.count(1)
 _lock = threading.Lock()
 _log = logging.getLogger("knapformer")
+_UNSAFE = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+"""The operators' tags (the tag is missing from older torch releases)."""
 _MAX_KEPT = 4096
 """Forward graphs kept at most (a training step's attention calls, with room to spare)."""
 
@@ -80,7 +82,7 @@ def lookup(handle: int):
     return ref() if ref is not None else None
 
 
-@torch.library.custom_op("knapformer::attend", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+@torch.library.custom_op("knapformer::attend", mutates_args=(), tags=_UNSAFE)
 def _attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -117,7 +119,7 @@ def _(q, k, v, extra, kind, owner, causal, backend, keep):
     return q.new_empty((q.shape[0], q.shape[1], v.shape[2])), torch.empty(1, dtype=torch.int64)
 
 
-@torch.library.custom_op("knapformer::attend_backward", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+@torch.library.custom_op("knapformer::attend_backward", mutates_args=(), tags=_UNSAFE)
 def _attend_backward(
     grad: torch.Tensor, key: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

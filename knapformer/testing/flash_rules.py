@@ -183,6 +183,8 @@ fake_flash_attn = types.SimpleNamespace(
 
 
 def _conditions(device: str, dtype: torch.dtype, d: int, dv: int) -> str | None:
+    if device != "cpu":
+        return "the flash-attn stand-in is for CPU tests (use flash-attn itself on a GPU)"
     if dtype not in _DTYPES:
         return f"flash-attn needs float16 or bfloat16 (the stand-in also fp32), got {dtype}"
     if d != dv or d > 256:
@@ -208,6 +210,7 @@ def _backend():
         cross=functools.partial(flash.flash_cross, fn=fn),
         attend_qk=functools.partial(flash.flash_qk, fn=fn),
         block_kernels=("flash2_rules",),
+        unavailable=lambda q: None if q.device.type == "cpu" else "a CPU stand-in for tests",
     )
 
 
