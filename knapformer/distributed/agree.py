@@ -133,20 +133,27 @@ def _row(call: Call, error: str, plan: int) -> list[int]:
     return row
 
 
-def agree(group, call: Call, error: str = "", *, plan: int = 0, control=None, what: str = "input") -> None:
+def agree(
+    group, call: Call, error: str = "", *, plan: int = 0, control=None, what: str = "input", flags=()
+) -> list[int]:
     """Raise the same error on every rank of ``group`` if any rank reports ``error``, is at a
     different call, holds a different plan (``plan``: its digest, 0 once agreed) or differs in
     ``call.values``. ``control``: the group to run on (a gloo twin of an NCCL group); ``what``:
-    what this rank's ``error`` is about (the message says "bad <what>")."""
+    what this rank's ``error`` is about (the message says "bad <what>"; ``divergent``: a call the
+    other ranks did not make, raised as :class:`DivergentCallError`). ``flags``: small
+    non-negative ints this rank contributes; returns their maximum over the group (what any
+    rank has, learned in the same collective)."""
     control = group if control is None else control
-    row = _row(call, error, plan)
+    row = _row(call, error, plan) + [int(f) for f in flags]
     t = to_device(torch.from_numpy(np.asarray(row, dtype=np.int64)), group_device(control))
     phase = call.op if call.op in ("plan", "use_plan") else f"{call.op} (its agreement)"
     lifetime.collective(lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control), (t,), phase, control)
     m = _host_table(t).tolist()
-    if m[0] == 0 and all(m[i] == -m[i + 1] for i in range(1, len(m), 2)):
-        return
+    n = len(m) - len(flags)
+    if m[0] == 0 and all(m[i] == -m[i + 1] for i in range(1, n, 2)):
+        return m[n:]
     _raise(control, call, error, plan, what)
+    raise AssertionError("unreachable: _raise raises")  # pragma: no cover
 
 
 def gather_text(control, text: str) -> list[str]:

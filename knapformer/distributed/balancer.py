@@ -365,7 +365,7 @@ class SequenceBalancer(AttentionCalls):
             planned = list(plan.seq_lens[self.group_rank])
             if [int(n) for n in seq_lens] != planned:
                 error = f"the tensors are laid out as sequences {list(seq_lens)[:8]}..., planned {planned[:8]}..."
-        self._checks.tensors("route", tensors, spec.num_local, error=error, names=names)
+        tensors = self._checks.tensors("route", tensors, spec.num_local, error=error, names=names)
         if self._devices is None:  # once: ranks on one GPU under NCCL, or on mixed devices, fail here
             self._check_devices(x.device)
         self._data_device = x.device
@@ -388,7 +388,7 @@ class SequenceBalancer(AttentionCalls):
         """Inverse of :meth:`route`: (R, *F) -> (T, *F) in the caller's original order."""
         _, spec = self._require_spec()
         tensors = (y, *features)
-        self._checks.tensors("reverse_route", tensors, spec.num_routed, names=names)
+        tensors = self._checks.tensors("reverse_route", tensors, spec.num_routed, names=names)
         self._loop.on_reverse(y)
         out = ops.reverse_route(tensors, spec, self.group)
         return out[0] if not features else tuple(out)
@@ -400,7 +400,7 @@ class SequenceBalancer(AttentionCalls):
         collective per dtype. Use it for conditioning (timestep/AdaLN vectors, text lengths)."""
         plan, _ = self._require_spec()
         counts = plan.index.counts.tolist()
-        self._checks.tensors("gather_sequences", per_seq, counts[self.group_rank], names=names)
+        per_seq = self._checks.tensors("gather_sequences", per_seq, counts[self.group_rank], names=names)
         return tuple(ops.gather_sequences(per_seq, counts, self.group_rank, self.group))
 
     @eager_only

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from knapformer.distributed.agree import Call, agree, describe_parts, signature
+from knapformer.errors import BalancerInputError
 
 __all__ = ["LayerCall", "StepChecks", "as_lengths", "attention_problem", "rows_problem"]
 
@@ -177,11 +178,13 @@ class StepChecks:
         what: str = "input",
         *,
         play: bool = True,
-    ) -> None:
+        flags=(),
+    ) -> list[int]:
         """Join the agreement of call ``op`` (a deferred error takes precedence over ``error``,
         which is about ``what``). ``play``: first join the per-layer calls the step's schedule
         still has before the next agreement (a rank that skipped layers: the others are in
-        their exchanges); off at step boundaries (``plan``, ``flush``)."""
+        their exchanges); off at step boundaries (``plan``, ``flush``). ``flags``: small ints
+        whose maximum over the group is returned (:func:`~knapformer.distributed.agree.agree`)."""
         while play and self._schedule is not None and self.index < len(self._schedule):
             entry = self._schedule[self.index]
             if isinstance(entry, str):
@@ -192,10 +195,11 @@ class StepChecks:
                 "divergent",
             )
             self.play(entry)
-        self._agree(op, error, values, what)
+        out = self._agree(op, error, values, what, flags)
         self._record.append(op)
+        return out
 
-    def _agree(self, op: str, error: str, values: tuple, what: str) -> None:
+    def _agree(self, op: str, error: str, values: tuple, what: str, flags=()) -> list[int]:
         pending, kind = self.take_pending(), self._pending_kind
         error, what = (pending, kind) if pending else (error, what)
         call = Call(op=op, index=self.index, step=self.step, values=values)
@@ -204,7 +208,7 @@ class StepChecks:
         self._plan_agreed = True  # checked now, whatever the outcome (a mismatch raises here, once)
         self.rendezvous_count += 1
         try:
-            agree(self.group, call, error, plan=plan, control=self.control, what=what)
+            return agree(self.group, call, error, plan=plan, control=self.control, what=what, flags=flags)
         except Exception:
             self._failed = True
             raise
@@ -250,8 +254,25 @@ class StepChecks:
         self._record.append(entry)
         return entry
 
-    def tensors(self, op: str, tensors: Sequence, rows: int, *, error: str = "", names=None) -> None:
+    def tensors(self, op: str, tensors: Sequence, rows: int, *, error: str = "", names=None) -> tuple:
         """Agree on tensors exchanged together: ``rows`` token rows each on this rank, the same
-        dtypes and trailing shapes on every rank."""
+        dtypes and trailing shapes on every rank — and on whether the step has a backward:
+        returns ``tensors``, where some rank's need gradients and this rank's do not (an empty
+        rank's ``torch.zeros(0, d)``), with its first floating tensor made a leaf that needs
+        one, so that this rank's backward also reaches the exchange's backward (every rank is
+        in it). A rank under ``torch.no_grad()`` while others need a backward raises on every
+        rank."""
         error = error or rows_problem(tensors, rows, self.rank)
-        self.agree(op, error, signature(tensors, names) if not error else ())
+        floats = [t for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        needs = torch.is_grad_enabled() and any(t.requires_grad for t in floats)
+        values = signature(tensors, names) if not error else ()
+        any_needs, any_no_grad = self.agree(op, error, values, flags=(needs, not torch.is_grad_enabled()))
+        if any_needs and any_no_grad:
+            raise BalancerInputError(
+                f"SequenceBalancer.{op}: some ranks run it under torch.no_grad() while others' tensors need "
+                f"gradients (this is rank {self.rank}): every rank of the group must run the same backward"
+            )
+        if any_needs and not needs and floats:
+            i = next(i for i, t in enumerate(tensors) if t is floats[0])
+            tensors = (*tensors[:i], tensors[i].detach().requires_grad_(), *tensors[i + 1 :])
+        return tuple(tensors)

@@ -17,7 +17,7 @@ import torch
 
 import knapformer.distributed.ops as ops
 from knapformer.attention.bounds import host_bounds, to_device
-from knapformer.distributed.agree import gather_ints, signature
+from knapformer.distributed.agree import gather_ints
 from knapformer.distributed.context import build_context_route
 from knapformer.executor.protocol import (
     RoutedContext,
@@ -49,7 +49,9 @@ def route_context(bal: _Balancer, context: torch.Tensor, lens: Sequence[int]) ->
     plan, spec = bal._require_spec()
     n_local = len(plan.seq_lens[bal.group_rank])
     error = context_problem(context, lens, n_local)
-    bal._checks.agree("route_context", error, signature((context,), ("context",)) if not error else ())
+    if error:
+        bal._checks.agree("route_context", error)
+    (context,) = bal._checks.tensors("route_context", (context,), context.shape[0], names=("context",))
     # every sequence's context length, gathered on the host (the control group: no device sync)
     all_lens = gather_ints(bal._checks.control, [int(n) for n in lens], plan.index.counts.tolist(), "route_context")
     route = build_context_route(plan, bal.group_rank, all_lens)
