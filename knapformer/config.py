@@ -31,6 +31,8 @@ ATTN_BACKENDS = BACKEND_NAMES
 """Attention backend names: the registry's (``knapformer.attention.registry``) plus ``auto``."""
 ATTN_PATHS = ("auto", "attention", "pre_attn")
 TIMER_MODES = ("auto", "cpu", "wall", "cuda")
+LINK_CHOICES = ("measure", "free")
+"""``BalancerConfig.link`` names: measured at construction (the default, also None), or free."""
 """``BalancerConfig.timer`` values (:mod:`knapformer.distributed.timing`)."""
 """Values of ``BalancerConfig.attn_path``."""
 
@@ -51,10 +53,14 @@ class BalancerConfig:
     solver: str | None = None
     """Planner name (``knapformer.plan.SOLVERS``); None = ``lpt`` for bag layouts, ``moldable``
     for ``auto``."""
-    link: LinkModel | None = None
-    """Links between the ranks (``knapformer.plan.cost.LinkModel``, e.g. a hardware preset's
-    ``Hardware.link``): prices the exchanges so that ``auto`` splits a sequence only when it
-    pays. None = communication is free in the plan's predicted times."""
+    link: LinkModel | str | None = None
+    """Links between the ranks, which price the exchanges so that ``auto`` splits a sequence
+    only when it pays: None (or ``"measure"``, the default) = measured on the balancing group
+    when the balancer is built (:mod:`knapformer.distributed.link_probe`: latency and bandwidth
+    per peer class, and what a second is worth in the cost model's units on the device; a few
+    ms); a ``knapformer.plan.cost.LinkModel`` (e.g. a hardware preset's ``Hardware.link``) =
+    those links; ``"free"`` = communication costs nothing in the plan (what None meant before
+    0.2.0). Bytes per value follow the tensors' dtype from the first step on."""
     max_tokens_per_rank: int | None = None
     """Memory cap: no rank holds more routed tokens in a step. None = unlimited."""
     rank_speed: tuple[float, ...] | None = None
@@ -116,8 +122,10 @@ class BalancerConfig:
         object.__setattr__(self, "layout", layout)
         if self.solver is None:
             object.__setattr__(self, "solver", default_solver(layout))
-        if self.link is not None and not isinstance(self.link, LinkModel):
-            raise TypeError(f"BalancerConfig.link must be a LinkModel, got {type(self.link).__name__}")
+        if isinstance(self.link, str) and self.link not in LINK_CHOICES:
+            raise ValueError(f"BalancerConfig.link must be a LinkModel, None or one of {LINK_CHOICES}: {self.link!r}")
+        if not isinstance(self.link, (str, LinkModel, type(None))):
+            raise TypeError(f"BalancerConfig.link must be a LinkModel, None or a name, got {type(self.link).__name__}")
         cost = self.cost
         if isinstance(cost, (str, os.PathLike)):
             cost = WorkloadModel.from_profile(cost)

@@ -66,9 +66,11 @@ class Hardware:
     def achievable_flops(self) -> float:
         return self.peak_flops * self.efficiency
 
-    def link(self, shape=None, *, units_per_second: float = 1.0) -> LinkModel:
+    def link(self, shape=None, *, units_per_second: float = 1.0, bytes_per_value: int | None = None) -> LinkModel:
         """These links as the planner's :class:`~knapformer.plan.cost.LinkModel`: exchange
-        passes from ``shape`` (forward + backward, + recompute), its bytes per value, and
+        passes from ``shape`` (forward + backward, + recompute), bytes per value from
+        ``bytes_per_value``, else ``shape``, else 2 (bf16; a balancer replaces it by its
+        tensors' dtype from its first step on, so fp32 exchanges are priced at 4), and
         ``units_per_second`` of the planner's cost model (1 for a profile in seconds; for the
         paper's FLOP form use :meth:`flop_units_per_second`)."""
         return LinkModel(
@@ -77,7 +79,7 @@ class Hardware:
             intra_latency=self.intra_latency,
             inter_latency=self.inter_latency,
             gpus_per_node=self.gpus_per_node,
-            bytes_per_value=shape.bytes_per_value if shape is not None else 2,
+            bytes_per_value=bytes_per_value or (shape.bytes_per_value if shape is not None else 2),
             exchange_passes=shape.passes - 1 if shape is not None else 2,
             copy_bw=self.copy_bw,
             units_per_second=units_per_second,

@@ -67,6 +67,7 @@ class AttentionCalls:
     def _pre_run(self, q, k, v, op: str, causal: bool) -> ulysses.UlyssesCall:
         plan, spec = self._require_spec()
         self._data_device = q.device
+        self._loop.note_bytes(q.element_size())  # the agreed dtype: the next plans price it
         # the shapes agree (or follow the schedule): a plan whose groups cannot split them
         # fails the same way on every rank
         heads = ulysses.check_heads(q.shape[1], k.shape[1], spec)

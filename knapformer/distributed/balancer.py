@@ -20,6 +20,7 @@ collectives use the group's backend: gloo for CPU tensors, NCCL for CUDA tensors
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Sequence
@@ -41,6 +42,7 @@ from knapformer.distributed.backends import device_problem, uses_nccl
 from knapformer.distributed.checks import StepChecks, as_lengths
 from knapformer.distributed.closed_loop import ClosedLoop
 from knapformer.distributed.compiled import eager_only
+from knapformer.distributed.link_probe import measure_link
 from knapformer.distributed.settings import agree_settings, asked_group, resolve_groups
 from knapformer.distributed.spec import RouteSpec, build_route_spec
 from knapformer.errors import BalancerConfigError, BalancerInputError, PlanMismatchError
@@ -48,6 +50,7 @@ from knapformer.executor.opaque import owner_handle
 from knapformer.executor.protocol import RoutedContext
 from knapformer.layout import AutoLayout, BagLayout
 from knapformer.plan import Plan, PlanProblem, get_solver
+from knapformer.plan.cost import LinkModel
 from knapformer.plan.problem import ValidLens, validate_lengths
 from knapformer.telemetry import StepTelemetry
 from knapformer.workload import WorkloadModel
@@ -125,6 +128,18 @@ class SequenceBalancer(AttentionCalls):
         self._devices: list[str] | None = None  # every rank's "host/device", once the first route saw them
         self._kv_gather = config.attn_path == "pre_attn"  # plans price pre_attn's K/V all-gather
         self._opaque = owner_handle(self)  # how torch.compile's operators find this balancer
+        self._loop.planning = dataclasses.replace(self._loop.planning, link=self._resolve_link(config))
+
+    def _resolve_link(self, config: BalancerConfig) -> LinkModel | None:
+        """The links the plans price: as given, none (``"free"``), or measured now on this group
+        (the default; collective, every rank is here: construction is)."""
+        if isinstance(config.link, LinkModel) or config.link == "free":
+            return config.link if isinstance(config.link, LinkModel) else None
+        device = torch.device("cpu")
+        if uses_nccl(self.group) and torch.cuda.is_available():
+            bound = getattr(self.group, "bound_device_id", None)
+            device = torch.device(bound) if bound is not None else torch.device("cuda", torch.cuda.current_device())
+        return measure_link(self.group, self._checks.control, device, config.cost)
 
     # -- settings --------------------------------------------------------------------------------
     @property

@@ -156,6 +156,15 @@ class ClosedLoop:
             changes["link"] = dataclasses.replace(cfg.link, units_per_second=1.0)  # the fit is in seconds
         self.planning = dataclasses.replace(cfg, **changes)
 
+    def note_bytes(self, bytes_per_value: int) -> None:
+        """The activations exchanged per layer are ``bytes_per_value`` wide (their dtype): the
+        next plans price them so (every rank calls this with the agreed dtype)."""
+        link = self.planning.link
+        if link is not None and link.bytes_per_value != bytes_per_value:
+            self.planning = dataclasses.replace(
+                self.planning, link=dataclasses.replace(link, bytes_per_value=int(bytes_per_value))
+            )
+
     # -- per exchange -------------------------------------------------------------------------
     def on_route(self, tensors: tuple) -> tuple:
         """Start the timer at the step's first route (its end is stamped by route's backward)."""

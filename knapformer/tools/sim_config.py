@@ -129,7 +129,7 @@ class SimConfig:
                 cost = dataclasses.replace(cost, num_heads=dims.num_heads, num_kv_heads=dims.num_kv_heads)
         else:
             cost = family.workload(gamma=self.gamma)
-        link = None
+        link = "free"  # bag layouts: their plans do not depend on it (no probe at construction)
         default = ("cpu-gloo" if self.device == "cpu" else "h100") if isinstance(layout, AutoLayout) else None
         name = self.hardware or default
         if name is not None:
