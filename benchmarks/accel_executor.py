@@ -163,6 +163,10 @@ def part_nccl_rank(smoke: bool, port: int) -> dict:
 
     if smoke or not torch.cuda.is_available():
         return {"status": "skipped", "reason": "needs CUDA (NCCL)"}
+    import os
+
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")  # a machine with loopback only
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the gloo twin of the NCCL group
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     dist.init_process_group(

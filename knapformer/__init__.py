@@ -18,6 +18,7 @@ from knapformer.errors import (
     BalancerInputError,
     DivergentCallError,
     InvalidPlanError,
+    PeerLostError,
     PlanMismatchError,
 )
 from knapformer.layout import AutoLayout, BagLayout, parse_layout
@@ -37,6 +38,7 @@ __all__ = [
     "BalancerInputError",
     "DivergentCallError",
     "InvalidPlanError",
+    "PeerLostError",
     "PlanMismatchError",
     "Plan",
     "PlanProblem",
@@ -46,7 +48,8 @@ __all__ = [
     "parse_layout",
     "plan_sequences",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+"""This release (``knapformer --version``); public API changes are in CHANGELOG.md."""
 
 
 def __getattr__(name: str) -> Any:

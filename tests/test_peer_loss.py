@@ -17,10 +17,10 @@ BOUND_S = 20.0  # collective_timeout_s of the kill tests (a dead peer is seen at
 
 
 def _run(world: int, victim: int, phase: str, mode: str, timeout_s: float) -> tuple[dict, dict]:
-    # spawn, not the suite's forkserver: a forked rank leaves through os._exit at once, so a
-    # survivor that raised first is gone before a slower one names the dead (a launcher's
-    # processes exit through interpreter shutdown, as spawned ones do)
-    ctx = process_context("spawn")
+    # the suite's forkserver: a forked rank leaves through os._exit at once, so a survivor that
+    # raised first is gone (faster than a launcher's processes, which exit through interpreter
+    # shutdown) before a slower one names the dead rank: it must still name only the victim
+    ctx = process_context()
     out = ctx.Queue()
     port = free_port()
     procs = [

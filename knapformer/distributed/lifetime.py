@@ -90,6 +90,36 @@ def register_peers(group, ranks: Sequence[int], hosts: Sequence[str], pids: Sequ
     _peers[id(group)] = (group, tuple(ranks), tuple(hosts), tuple(pids), float(timeout_s))
 
 
+def _marker(pid: int) -> str:
+    import tempfile
+
+    user = os.getuid() if hasattr(os, "getuid") else 0
+    return os.path.join(tempfile.gettempdir(), f"knapformer-{user}", f"left-{pid}")
+
+
+def _mark_leaving() -> None:
+    """Leave a note (a file named by this process id) that this rank is about to raise and
+    exit: a slower survivor that finds this process gone must not name it as the dead rank. A
+    killed rank leaves none. Written before the raise, so before any exit (forked ranks leave
+    through ``os._exit`` at once, without exit hooks)."""
+    try:
+        path = _marker(os.getpid())
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(str(time.time()))
+    except OSError:  # a read-only temp dir: the naming may then include survivors, as before
+        pass
+
+
+def _left_after_raising(pid: int) -> bool:
+    """Process ``pid`` noted that it raised a lost-peer error and exited (within the hour: an
+    old note of a reused process id does not count)."""
+    try:
+        return time.time() - os.path.getmtime(_marker(pid)) < 3600
+    except OSError:
+        return False
+
+
 def _gone(pid: int) -> bool:
     """The process is gone (or a zombie: killed, not yet reaped)."""
     try:
@@ -123,7 +153,8 @@ def _classified(exc: RuntimeError, phase: str, group) -> RuntimeError:
     local = [(r, pid) for r, h, pid in zip(info[1], info[2], info[3]) if h == host] if info is not None else []
     deadline = time.monotonic() + (1.0 if lost else 0.0)
     while True:  # a killed peer's sockets close a moment before its process is gone: look for a second
-        dead = [r for r, pid in local if pid != os.getpid() and _gone(pid)]
+        # a peer that raised this error first and exited is a survivor, not the dead rank
+        dead = [r for r, pid in local if pid != os.getpid() and _gone(pid) and not _left_after_raising(pid)]
         if dead or time.monotonic() >= deadline:
             break
         time.sleep(0.02)
@@ -138,6 +169,7 @@ def _classified(exc: RuntimeError, phase: str, group) -> RuntimeError:
         bound = f"collective_timeout_s={info[4]:g}" if info is not None else "the group's timeout"
         who = f"a peer of the balancing group is gone or did not answer within {bound}"
     first = text.strip().splitlines()[0][:200] if text.strip() else type(exc).__name__
+    _mark_leaving()
     return PeerLostError(
         f"SequenceBalancer: the {phase} exchange failed on rank {me}: {who}; this group cannot go on — "
         f"exit and restart from the last checkpoint (torchrun --max-restarts) [{first}]"

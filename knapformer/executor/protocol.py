@@ -110,7 +110,9 @@ class VarlenArgs(NamedTuple):
     (GQA/MQA); with ``causal`` the mask is aligned to the *bottom right*: query t of a segment
     of n_q queries over n_k keys sees keys 0 … n_k − n_q + t (flash-attn ≥ 2.1's convention,
     ``torch.nn.attention.bias.causal_lower_right``; the ordinary causal mask when n_q = n_k).
-    Segments have n_k ≥ n_q ≥ 1. Without rings in the plan every segment is a whole sequence
+    Segments have n_k ≥ n_q ≥ 1, except on a rank with nothing to compute: zero rows and one
+    empty segment (bounds ``[0, 0]``, max lengths 0: flash-attn 2 refuses a batch of zero
+    sequences and zero-fills an empty one). Without rings in the plan every segment is a whole sequence
     (the two bounds are equal, the same tensor); under a ring plan a member's queries are its
     block of the sequence and its keys the sequence's keys its queries may see (causal: one
     segment per contiguous query run, over the key prefix up to its end)."""
