@@ -9,7 +9,7 @@ Parts run in the order given (``--parts``, default 0, 2, 1, 3, 4, 6, 7, 8: the n
 part first); a part that would start after ``--budget-s`` (330 s) is skipped and says so.
 
 Writes ``runs/accelerator/check.json`` and ``check.txt`` (``--smoke``: ``runs/accelerator/smoke/``),
-and for part 3 ``profiles/<gpu>-flux.json`` + PNG. Each part reports ``ok``, ``failed`` (with
+and for part 3 ``<gpu>-flux.json`` + PNG, all in the output folder. Each part reports ``ok``, ``failed`` (with
 the error) or ``skipped`` (with the reason, e.g. no CUDA); one failing part does not stop the
 others. Uses whatever torch is installed (CUDA or CPU): run it from the working tree with
 ``PYTHONPATH=.`` — it needs numpy and matplotlib; diffusers is not used.
@@ -227,7 +227,7 @@ def part_calibrate(smoke: bool, out_dir: Path) -> dict:
         lengths, holdout, repeats = ["16", "64", "128"], ["32"], "1"
     else:
         _cuda()
-        model, device, profile = "flux", "cuda", ROOT / "profiles" / f"{_gpu_name()}-flux.json"
+        model, device, profile = "flux", "cuda", out_dir / f"{_gpu_name()}-flux.json"  # everything under --out
         lengths = ["256", "1024", "2048", "4096", "8192", "16384", "32768"]
         holdout, repeats = ["512", "12288"], "3"
     args = ["calibrate", "--model", model, "--device", device, "--lengths", *lengths, "--holdout", *holdout]
