@@ -257,7 +257,7 @@ def part_cluster(smoke: bool, profile: str | None) -> dict:
         else [("paper-mixres", 32), ("paper-mixres", 1024), ("paper-joint", 32), ("paper-joint", 1024)]
     )
     for mix, gpus in runs:
-        for bags in ("auto", "g2n16" if smoke else "g8n4"):
+        for bags in ("auto", f"g2n{gpus // 2}" if smoke else f"g8n{gpus // 8}"):
             argv = [
                 "cluster",
                 "--mix",

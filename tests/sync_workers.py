@@ -23,7 +23,7 @@ def _lens(rank: int, kind: str) -> list[int]:
 
 def count_syncs(rank: int, world: int) -> dict:
     out = {}
-    for kind in ("attention", "pre_attn", "ring", "ring pre_attn", "cross_attention", "empty rank"):
+    for kind in ("attention", "pre_attn", "ring", "ring pre_attn", "cross_attention", "empty rank", "idle pre_attn"):
         bal = SequenceBalancer(f"g{world}n1", MODEL, attn_path="pre_attn" if kind == "ring pre_attn" else "auto")
         heads = 1 if kind.startswith("ring") else H  # one head: a group of 2 is a pure ring
         with SyncSites() as syncs:
@@ -33,6 +33,9 @@ def count_syncs(rank: int, world: int) -> dict:
                 if kind.startswith("ring"):
                     all_lens = [_lens(r, kind) for r in range(world)]
                     bal.use_plan(plan_from_groups(all_lens, [tuple(range(world))], [0] * 3, MODEL, ring=[world]))
+                elif kind == "idle pre_attn":  # every sequence on rank 0: rank 1 computes nothing
+                    all_lens = [_lens(r, kind) for r in range(world)]
+                    bal.use_plan(plan_from_groups(all_lens, [(0,)], [0] * sum(map(len, all_lens)), MODEL))
                 else:
                     bal.plan(lens)
                 syncs.phase(f"route {step}")

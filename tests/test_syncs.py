@@ -13,7 +13,9 @@ def counts():
     return run_distributed(W.count_syncs, 2, timeout=180)
 
 
-@pytest.mark.parametrize("kind", ["attention", "pre_attn", "ring", "ring pre_attn", "cross_attention", "empty rank"])
+@pytest.mark.parametrize(
+    "kind", ["attention", "pre_attn", "ring", "ring pre_attn", "cross_attention", "empty rank", "idle pre_attn"]
+)
 def test_sync_sites_per_phase_stay_within_budget(counts, kind):
     for rank, res in enumerate(counts):
         found, report = res[kind]

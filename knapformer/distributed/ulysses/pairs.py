@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from knapformer.attention.bounds import derived, host_bounds, to_device, upload
+from knapformer.attention.bounds import derived, host_bounds, remember, to_device, upload
 from knapformer.distributed.spec import concat_ranges
 from knapformer.distributed.ulysses.exchange import AttnBatch, UlyssesCall
 from knapformer.executor.protocol import VarlenArgs
@@ -95,12 +95,12 @@ def flatten_pairs(call: UlyssesCall) -> VarlenArgs:
         # (cu_seqlens [0, 0]), since flash-attn 2 refuses a batch of zero sequences
         h, h_kv, d, dv = call.heads
         z = call.anchor
-        cu = torch.zeros(2, dtype=torch.int32, device=z.device)
+        cu = remember(torch.zeros(2, dtype=torch.int32, device=z.device), (0, 0))  # no device read later
         return VarlenArgs(z.view(0, 1, d), z.view(0, 1, d), z.view(0, 1, dv), cu, cu, 0, 0)
     if form == "one":
         b = call.batches[0]
         if b.q.shape[0] == 0:  # no tokens here: one empty segment, as above
-            cu = torch.zeros(2, dtype=torch.int32, device=b.q.device)
+            cu = remember(torch.zeros(2, dtype=torch.int32, device=b.q.device), (0, 0))
             return VarlenArgs(b.q, b.k, b.v, cu, cu, 0, 0)
         cu_k = b.cu_seqlens if b.cu_seqlens_k is None else b.cu_seqlens_k
         max_k = b.max_len if b.max_len_k is None else b.max_len_k
