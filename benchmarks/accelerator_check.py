@@ -583,6 +583,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="output folder (default runs/accelerator[/smoke])")
     p.add_argument("--parts", default="0,2,1,3,4,6,7,8", help="comma-separated part numbers, in order (0: preflight)")
     p.add_argument("--budget-s", type=float, default=330.0, help="skip parts that would start after this many seconds")
+    p.add_argument("--profile", default=None, help="a profile measured before: part 4 uses it without part 3")
     args = p.parse_args(argv)
     deadline = time.monotonic() + args.budget_s
     out_dir = Path(args.out) if args.out else ROOT / "runs" / "accelerator" / ("smoke" if args.smoke else "")
@@ -597,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
         3: ("3 calibrate blocks", lambda: part_calibrate(smoke, out_dir)),
         4: (
             "4 cluster from the profile",
-            lambda: part_cluster(smoke, results.get("3 calibrate blocks", {}).get("profile")),
+            lambda: part_cluster(smoke, results.get("3 calibrate blocks", {}).get("profile") or args.profile),
         ),
         6: ("6 ring block math", lambda: part_ring(smoke)),
         7: ("7 ring block kernels", lambda: part_ring_kernels(smoke)),
