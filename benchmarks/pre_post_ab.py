@@ -86,15 +86,29 @@ def _calls(bal, q):
 
     qg = q.detach().requires_grad_()
     grad = torch.ones_like(q)
-    if hasattr(bal, "_pre"):
-        call = bal._pre(q, q, q)
+    if hasattr(bal, "_post_run"):  # 0.2: the checks (_pre) and the exchange after attention (_post_run)
+
+        def pre(x):
+            return bal._pre(x, x, x, "attention", False)
+
+        post = bal._post_run
+    elif hasattr(bal, "_pre"):  # earlier checkouts: _pre(q, k, v) and _post(call, outs)
+
+        def pre(x):
+            return bal._pre(x, x, x)
+
+        post = bal._post
+    else:
+        pre = post = None
+    if pre is not None:
+        call = pre(q)
         outs = [varlen_attention(b.q, b.k, b.v, b.cu_seqlens, b.max_len) for b in call.batches]
 
         def trip():
-            c = bal._pre(qg, qg, qg)
-            bal._post(c, [b.q.contiguous() for b in c.batches]).backward(grad)
+            c = pre(qg)
+            post(c, [b.q.contiguous() for b in c.batches]).backward(grad)
 
-        return (lambda: bal._pre(q, q, q)), (lambda: bal._post(call, outs)), trip
+        return (lambda: pre(q)), (lambda: post(call, outs)), trip
     args = bal.pre_attn(q, q, q)  # a 5-tuple in older checkouts, VarlenArgs (7 fields) now
     q2, k2, v2, cu, mx = args[:4] + (args[-1],)
     o2 = varlen_attention(q2, k2, v2, cu, mx)

@@ -40,7 +40,7 @@ def compiled_block(rank: int, world: int, heads: int = 4) -> dict:
     block = copy.deepcopy(eager)
     counter = dynamo_testing.CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(block, fullgraph=True, dynamic=True, backend=counter)
-    bal = SequenceBalancer("auto", WorkloadModel(d_model=32, num_heads=heads))
+    bal = SequenceBalancer("auto", WorkloadModel(d_model=32, num_heads=heads), link="free")  # free: rings pay
     out = {"out_err": 0.0, "grad_err": 0.0, "frames": [], "rings": set()}
     for step, lens in enumerate(STEPS):
         plan = bal.plan(lens[rank])
@@ -84,7 +84,7 @@ def compiled_cross_block(rank: int, world: int) -> dict:
     block = copy.deepcopy(eager)
     counter = dynamo_testing.CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(block, fullgraph=True, dynamic=True, backend=counter)
-    bal = SequenceBalancer("auto", WorkloadModel(d_model=32, num_heads=4))
+    bal = SequenceBalancer("auto", WorkloadModel(d_model=32, num_heads=4), link="free")  # free: groups pay
     out = {"out_err": 0.0, "grad_err": 0.0, "frames": []}
     for step, lens in enumerate(STEPS):
         g = torch.Generator().manual_seed(step * 10 + rank)
@@ -111,7 +111,7 @@ def compiled_model(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     eager = Transformer(CFG).double()
     model = copy.deepcopy(eager)
-    bal = SequenceBalancer("auto", WorkloadModel(d_model=32, num_heads=4))
+    bal = SequenceBalancer("auto", WorkloadModel(d_model=32, num_heads=4), link="free")  # free: groups pay
     lens = STEPS[0][rank]
     bal.plan(lens)
     x = torch.randn(sum(lens), 8, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)

@@ -64,7 +64,7 @@ def check_model(rank: int, world: int, kind: str, layout: str, lens, txts, wrapp
         apply_checkpointing(model)
     if wrapper == "ckpt+fsdp":
         apply_fsdp(model)
-    bal = SequenceBalancer(layout, WorkloadModel(d_model=cfg.dim))
+    bal = SequenceBalancer(layout, WorkloadModel(d_model=cfg.dim), link="free")  # free: groups split
     b = batches[rank]
     plan = bal.plan(b.seq_lens)
     out = _run(model, cfg, b, bal)

@@ -56,7 +56,7 @@ def fsdp_global_mean(rank: int, world: int, mixed: bool, checkpointing: bool) ->
     for block in model.blocks:
         fully_shard(block, **kw)
     fully_shard(model, **kw)
-    bal = SequenceBalancer("auto", MODEL)
+    bal = SequenceBalancer("auto", MODEL, link="free")  # free: groups split
     mine = batches[rank]
     count = sum(b.x.shape[0] for b in mine)  # this rank's tokens of the whole step
     for m, b in enumerate(mine):
@@ -78,7 +78,7 @@ def fsdp_global_mean(rank: int, world: int, mixed: bool, checkpointing: bool) ->
 def autocast_equals_local(rank: int, world: int) -> float:
     """bal.attention under torch.autocast with mixed q/k/v dtypes equals LocalExecutor's
     attention of the same sequences under the same autocast."""
-    bal = SequenceBalancer("auto", MODEL)
+    bal = SequenceBalancer("auto", MODEL, link="free")  # free: groups split
     lens_all = [[40, 3], [70, 1]]
     bal.plan(lens_all[rank])
     g = torch.Generator().manual_seed(5)
@@ -161,7 +161,9 @@ def resume_identical(rank: int, world: int) -> dict:
     fake = _fake_timer(rank)
     real, loop.StepTimer = loop.StepTimer, fake
     try:
-        cfg = BalancerConfig(layout="g1n2", cost=MODEL, recalibrate=True, estimate_speed=True, recalibrate_warmup=0)
+        cfg = BalancerConfig(
+            layout="g1n2", cost=MODEL, recalibrate=True, estimate_speed=True, recalibrate_warmup=0, link="free"
+        )  # unpriced: every plan moves work, so the restored speeds decide it
         a = SequenceBalancer(cfg)
         whole = _run_steps(a, rank, STEP_LENS, fake)
         b = SequenceBalancer(cfg)

@@ -45,6 +45,10 @@ __all__ = [
 ]
 
 
+NUM_FLAGS = 2
+"""Flag slots every agreement row carries (the row's size must not depend on the call)."""
+
+
 def digest62(text: str | bytes) -> int:
     """A non-negative 62-bit digest (negatable within int64)."""
     data = text.encode() if isinstance(text, str) else text
@@ -144,14 +148,17 @@ def agree(
     non-negative ints this rank contributes; returns their maximum over the group (what any
     rank has, learned in the same collective)."""
     control = group if control is None else control
-    row = _row(call, error, plan) + [int(f) for f in flags]
+    if len(flags) > NUM_FLAGS:
+        raise ValueError(f"agree takes at most {NUM_FLAGS} flags, got {len(flags)}")
+    # a fixed-size row whatever the call (flags zero-padded): ranks at different calls still meet
+    row = _row(call, error, plan) + [int(f) for f in flags] + [0] * (NUM_FLAGS - len(flags))
     t = to_device(torch.from_numpy(np.asarray(row, dtype=np.int64)), group_device(control))
     phase = call.op if call.op in ("plan", "use_plan") else f"{call.op} (its agreement)"
     lifetime.collective(lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control), (t,), phase, control)
     m = _host_table(t).tolist()
-    n = len(m) - len(flags)
+    n = len(m) - NUM_FLAGS
     if m[0] == 0 and all(m[i] == -m[i + 1] for i in range(1, n, 2)):
-        return m[n:]
+        return m[n : n + len(flags)]
     _raise(control, call, error, plan, what)
     raise AssertionError("unreachable: _raise raises")  # pragma: no cover
 
