@@ -39,7 +39,7 @@ def main() -> None:
     plan = bal.plan(local_lens)
     q, k, v = (torch.randn(sum(local_lens), heads, head_dim, device=device) for _ in range(3))
 
-    rq, rk, rv = bal.route(q, k, v)  # tokens -> their bag's ranks
+    rq, rk, rv = bal.route(q, k, v, seq_lens=local_lens)  # tokens -> their groups' ranks, checked against the plan
     o = bal.reverse_route(bal.attention(rq, rk, rv))  # Ulysses attention, then back home
 
     # plain attention of this rank's own sequences, for comparison

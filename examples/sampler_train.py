@@ -52,7 +52,7 @@ class MixedResolution(Dataset):
         return {
             "tokens": torch.randn(n, CFG.in_dim, generator=g),
             "target": torch.randn(n, CFG.out_dim, generator=g),
-            "txt_len": torch.tensor(self.text_len(i)),
+            "txt_len": self.text_len(i),  # an int: PackedCollate stacks it into an (S,) int64 tensor
             "t": torch.rand((), generator=g),
             "vec": torch.randn(CFG.vec_dim, generator=g),
         }

@@ -118,6 +118,19 @@ def test_distributed_pages_run_on_two_ranks(tmp_path):
     assert len(DISTRIBUTED) >= 5  # README, balancing, training, integrations, failures, calibration
 
 
+def test_own_model_page_is_the_example():
+    """docs/own_model.md walks through examples/own_dit.py: its python blocks, in order, are that
+    file after its docstring, line for line (blank lines aside), so the page cannot drift from
+    the code test_examples runs (and the page's own run here is the example's run)."""
+    lines = lambda text: [line for line in text.splitlines() if line.strip()]
+    page = lines("\n".join(python_blocks(ROOT / "docs" / "own_model.md")))
+    body = lines((ROOT / "examples" / "own_dit.py").read_text().split('"""', 2)[2])
+    assert page == body, next(
+        (f"line {i}: page {a!r} != example {b!r}" for i, (a, b) in enumerate(zip(page, body)) if a != b),
+        f"{len(page)} lines on the page, {len(body)} in the example",
+    )
+
+
 def test_public_names_have_docstrings():
     missing = []
     for modname in PUBLIC + INTEGRATIONS:

@@ -52,3 +52,16 @@ def test_sampler_example_trains_two_epochs_on_two_ranks():
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = [line for line in proc.stdout.splitlines() if line.startswith("epoch 1: ")]
     assert steps and "epoch 1 step 0: global mean loss" in proc.stdout, proc.stdout[-1000:]
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_own_dit_matches_per_sample_math_in_fp64(ranks):
+    """examples/own_dit.py (docs/own_model.md): the FSDP2-sharded, balanced steps, with a rank
+    holding no sample, equal the model run on each sample alone in one process: outputs and
+    every parameter gradient to 1e-10 relative (fp64), in both steps it prints."""
+    proc = _torchrun("own_dit.py", ranks)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = r"step (\d): global mean loss [0-9.]+, .*outputs ([0-9.e+-]+\d), gradients ([0-9.e+-]+\d)"
+    found = re.findall(line, proc.stdout)
+    assert [step for step, _, _ in found] == ["0", "1"], proc.stdout[-2000:]
+    assert max(float(x) for _, *errs in found for x in errs) < 1e-10, proc.stdout[-2000:]

@@ -358,3 +358,24 @@ def test_collate_accepts_keys_in_any_order():
     b = {"t": torch.tensor(0.1), "tokens": torch.ones(1, 3)}
     batch = PackedCollate(("tokens",))([a, b])
     assert batch["seq_lens"] == [2, 1] and batch["t"].tolist() == pytest.approx([0.5, 0.1])
+
+
+def test_collate_stacks_python_numbers_into_tensors():
+    """An int, float or bool field (a frame count, a text length, a flag) becomes an (S,) tensor
+    of int64, the default float dtype or bool, as a tensor field does; an empty batch gets the
+    same dtype with no rows; strings stay lists."""
+    a = {"tokens": torch.zeros(2, 3), "frames": 5, "scale": 0.5, "flip": True, "name": "a"}
+    b = {"tokens": torch.ones(1, 3), "frames": 1, "scale": 2.0, "flip": False, "name": "b"}
+    collate = PackedCollate(("tokens",), example=a)
+    batch = collate([a, b])
+    assert torch.equal(batch["frames"], torch.tensor([5, 1])) and batch["frames"].dtype == torch.int64
+    assert batch["scale"].dtype == torch.get_default_dtype() and batch["scale"].tolist() == [0.5, 2.0]
+    assert batch["flip"].dtype == torch.bool and batch["flip"].tolist() == [True, False]
+    assert batch["name"] == ["a", "b"]
+    empty = collate([])
+    assert [(empty[k].shape, empty[k].dtype) for k in ("frames", "scale", "flip")] == [
+        ((0,), torch.int64),
+        ((0,), torch.get_default_dtype()),
+        ((0,), torch.bool),
+    ]
+    assert empty["name"] == []

@@ -10,6 +10,7 @@ a plain picklable class, so it works with ``DataLoader(num_workers > 0)``.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from numbers import Real
 from typing import Any
 
 import torch
@@ -25,8 +26,11 @@ class PackedCollate:
     varies); they are concatenated along dimension 0, and the first key's lengths become
     ``"seq_lens"`` (a list of ints). Further packed keys of other lengths (text tokens of their
     own length, say) get ``"<key>_lens"`` next to them. Every other tensor is per-sample
-    conditioning (a timestep, a pooled embedding, a label) and is stacked to ``(S, ...)``;
-    non-tensor values are returned as lists.
+    conditioning (a timestep, a pooled embedding, a label) and is stacked to ``(S, ...)``.
+    Python numbers (an ``int`` frame count or text length, a ``float``, a ``bool`` flag) become an
+    ``(S,)`` tensor too, as ``torch.tensor(values)`` makes it (int64, the default float dtype,
+    bool), so a model can index or move them like any other field; other values (strings, say)
+    are returned as lists.
 
     A rank that gets an empty batch (see :class:`~knapformer.data.TokenBudgetBatchSampler`)
     needs tensors with no rows of the right trailing shape and dtype: pass ``example`` (one
@@ -80,6 +84,8 @@ class PackedCollate:
                         f"{key!r} differs in shape between samples, so it cannot be stacked; list it in "
                         f"packed=... if its first dimension is per token ({exc})"
                     ) from exc
+            elif all(_is_number(v) for v in vals):
+                out[key] = torch.tensor(vals)
             else:
                 out[key] = list(vals)
         return out
@@ -100,5 +106,13 @@ class PackedCollate:
             out["seq_lens" if j == 0 else f"{key}_lens"] = []
         for key, t in example.items():
             if key not in self.packed:
-                out[key] = t.new_empty((0, *t.shape)) if isinstance(t, torch.Tensor) else []
+                if isinstance(t, torch.Tensor):
+                    out[key] = t.new_empty((0, *t.shape))
+                else:  # a number: an empty tensor of the dtype a batch would have; other values: a list
+                    out[key] = torch.tensor([t])[:0] if _is_number(t) else []
         return out
+
+
+def _is_number(v: Any) -> bool:
+    """A Python (or numpy) int, float or bool: collated into a tensor."""
+    return isinstance(v, Real)
