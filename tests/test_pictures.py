@@ -14,6 +14,7 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")
 import json  # noqa: E402
 import re  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
 
 import numpy as np  # noqa: E402
 from matplotlib.container import ErrorbarContainer  # noqa: E402
@@ -23,7 +24,7 @@ from PIL import Image  # noqa: E402
 
 from knapformer import WorkloadModel  # noqa: E402
 from knapformer.cluster.hardware import hardware  # noqa: E402
-from knapformer.plan import Plan, plan_from_groups, plan_sequences  # noqa: E402
+from knapformer.plan import LinkModel, Plan, plan_from_groups, plan_sequences  # noqa: E402
 from knapformer.plan.picture_bands import band_summary, default_band, size_class  # noqa: E402
 from knapformer.plan.picture_common import time_axis  # noqa: E402
 from knapformer.tools import cluster_cli, plan_cli, show  # noqa: E402
@@ -243,6 +244,16 @@ def test_plan_and_show_commands_draw_a_512_rank_plan_in_seconds(tmp_path, figure
     assert eight_nodes.axes[0].get_title().startswith("nodes\n")
     with Image.open(tmp_path / "plan.png") as im:
         assert im.size[0] <= MAX_WIDTH_PX
+
+
+def test_default_bands_are_whole_nodes_and_at_most_64():
+    def band(S, gpus_per_node=None):
+        link = None if gpus_per_node is None else LinkModel(intra_bw=1e9, inter_bw=1e9, gpus_per_node=gpus_per_node)
+        return default_band(SimpleNamespace(num_ranks=S, link=link))
+
+    assert [band(S) for S in (8, 64, 65, 768, 4096)] == [1, 1, 2, 12, 64]
+    assert [band(S, 8) for S in (64, 72, 768, 4096)] == [1, 2, 16, 64]  # 12 would split nodes; 2 divides one
+    assert band(4096, 1024) == 64 and band(320, 32) == 8  # a division of a big node (not 5)
 
 
 def test_plan_picture_refuses_unreadable_band_sizes(tmp_path):
