@@ -4,8 +4,14 @@ Each box is one member's share of one sequence (its chunk's linear cost + 1/k of
 attention + the per-sequence cost, from the plan's cost model), coloured by the sequence;
 boxes of multi-rank groups have a dark outline, boxes away from the sequence's source rank
 are hatched (the source keeps solid boxes), a grey cap is the rank's exchanges (what the
-predicted time has beyond compute), and the dashed line is the lower bound. Readable for a
-few ranks and for 64; matplotlib is imported only here, when a picture is asked for.
+predicted time has beyond compute), and the dashed line is the lower bound.
+
+Up to :data:`PER_RANK_MAX` ranks every rank gets its own bar; beyond, ranks are drawn in
+bands (whole nodes when the plan carries its links) with the same marks
+(:mod:`knapformer.plan.picture_bands`), so the image stays under about 2,000 px wide at any
+rank count. The y-axis is in seconds (all layers of the cost model) when the plan carries a
+link (its ``units_per_second``) or its cost model is in seconds (a calibrated or fitted
+profile), else in cost units. matplotlib is imported only when a picture is asked for.
 """
 
 from __future__ import annotations
@@ -14,54 +20,60 @@ from pathlib import Path
 
 import numpy as np
 
-from knapformer.plan.seqindex import DST, IDX, LEN, SRC
+from knapformer.plan.picture_bands import MAX_BANDS, default_band, plot_bands
+from knapformer.plan.picture_common import (
+    DPI,
+    PER_RANK_MAX,
+    figure_width,
+    member_shares,
+    plt_agg,
+    seq_label,
+    stats_line,
+    time_axis,
+)
 from knapformer.plan.validate import PlanForm
 
-__all__ = ["plot_plan"]
+__all__ = ["PER_RANK_MAX", "plot_plan", "time_axis"]
 
 _KEY_SEQS = 10
 """Sequences named in the colour key (the longest ones)."""
 
 
-def _shares(plan: PlanForm):
-    """(rank, sequence id, cost, at home) for every member of every sequence's group."""
-    model = plan.cost_model
-    index = plan.index
-    L = index.lengths.astype(np.float64)
-    held: dict[tuple[int, int], int] = {}
-    gid = index.gid(plan.chunks[:, SRC], plan.chunks[:, IDX])
-    for g, d, n in zip(gid.tolist(), plan.chunks[:, DST].tolist(), plan.chunks[:, LEN].tolist()):
-        held[(g, d)] = held.get((g, d), 0) + n
-    out = []
-    for g, b in enumerate(plan.seq_group.tolist()):
-        members = plan.groups[b]
-        k = len(members)
-        for m in members:
-            n = held.get((g, m), 0)
-            if model is not None:
-                cost = float(model.lin(n) + model.quad(L[g]) / k + model.per_seq_coef)
-            else:  # an old plan file without its model: tokens as the measure
-                cost = float(n)
-            out.append((m, g, cost, m == int(index.src_rank[g]), k))
-    return out
+def plot_plan(plan: PlanForm, path: str | Path, *, title: str | None = None, ranks_per_band: int | None = None) -> None:
+    """Write a PNG of ``plan`` to ``path`` (see the module docstring). ``ranks_per_band``: 1
+    draws every rank (up to 128 ranks), more draws bands of that many ranks; None chooses (one
+    bar per rank up to :data:`PER_RANK_MAX` ranks, else bands, of whole nodes when the plan
+    carries its links)."""
+    S = plan.num_ranks
+    if ranks_per_band is None:
+        ranks_per_band = default_band(plan)
+    if not isinstance(ranks_per_band, int) or isinstance(ranks_per_band, bool) or ranks_per_band < 1:
+        raise ValueError(f"ranks_per_band must be an int >= 1, got {ranks_per_band!r}")
+    bars = -(-S // ranks_per_band)
+    if bars > 2 * MAX_BANDS:
+        raise ValueError(
+            f"ranks_per_band={ranks_per_band} draws {bars} bars for {S} ranks; at most {2 * MAX_BANDS} stay "
+            f"readable (use ranks_per_band >= {-(-S // (2 * MAX_BANDS))}, or leave it out)"
+        )
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    if ranks_per_band == 1:
+        _plot_ranks(plan, path, title)
+    else:
+        plot_bands(plan, path, ranks_per_band, title)
 
 
-def plot_plan(plan: PlanForm, path: str | Path, *, title: str | None = None) -> None:
-    """Write a PNG of ``plan`` to ``path`` (see the module docstring)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def _plot_ranks(plan: PlanForm, path: str | Path, title: str | None) -> None:
+    """One bar per rank, one box per (sequence, member) share."""
+    plt = plt_agg()
     from matplotlib.patches import Patch
 
     S = plan.num_ranks
-    shares = _shares(plan)
-    speed_scale = plan.time_after  # times include speeds and exchanges; boxes are compute shares
-    compute = np.zeros(S)
-    for m, _, c, _, _ in shares:
-        compute[m] += c
+    rank, gid, cost, home, ks = member_shares(plan)
+    axis = time_axis(plan)
+    compute = np.bincount(rank, weights=cost, minlength=S)
     unit_scale = 1.0 if plan.cost_model is not None else (plan.time_after.sum() / max(compute.sum(), 1e-300))
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.22 * S + 2) + 3.2, 4.6))
+    unit_scale *= axis.factor
+    fig, ax = plt.subplots(figsize=(figure_width(S), 4.6))
     tab = plt.get_cmap("tab20")
     palette = [tab(i) for i in range(20) if i not in (14, 15)]  # the greys are for exchanges
 
@@ -70,8 +82,9 @@ def plot_plan(plan: PlanForm, path: str | Path, *, title: str | None = None) -> 
 
     bottom = np.zeros(S)
     width = 0.8
-    for m, g, c, home, k in sorted(shares, key=lambda x: (x[0], x[1])):
-        h = c * unit_scale
+    for i in np.lexsort((gid, rank)).tolist():
+        m, g, k = int(rank[i]), int(gid[i]), int(ks[i])
+        h = float(cost[i]) * unit_scale
         ax.bar(
             m,
             h,
@@ -80,24 +93,20 @@ def plot_plan(plan: PlanForm, path: str | Path, *, title: str | None = None) -> 
             color=cmap(g),
             linewidth=1.2 if k > 1 else 0.3,
             edgecolor="black" if k > 1 else "white",
-            hatch=None if home else "///",
+            hatch=None if home[i] else "///",
         )
         bottom[m] += h
-    rest = np.maximum(speed_scale - bottom, 0.0)
+    rest = np.maximum(plan.time_after * axis.factor - bottom, 0.0)
     if rest.max() > 0:
         ax.bar(np.arange(S), rest, width, bottom=bottom, color="0.75", edgecolor="0.5", linewidth=0.3)
     if plan.lower_bound > 0:
-        ax.axhline(plan.lower_bound, color="black", linestyle="--", linewidth=1)
+        ax.axhline(plan.lower_bound * axis.factor, color="black", linestyle="--", linewidth=1)
     ax.set_xlabel("rank")
-    ax.set_ylabel("predicted time" + (" (cost units)" if plan.cost_model is not None else ""))
+    ax.set_ylabel(axis.label)
     ax.set_xlim(-0.6, S - 0.4)
     if S <= 32:
         ax.set_xticks(range(S))
-    st = plan.stats()
-    stats = (
-        f"{plan.solver}: {S} ranks, {len(plan.seq_group)} sequences, imbalance {st['imbalance_before']:.3f} -> "
-        f"{st['imbalance_after']:.3f}, makespan/bound {st['gap_to_bound']:.4f}"
-    )
+    stats = stats_line(plan)
     ax.set_title(f"{title}\n{stats}" if title else stats, fontsize=9)
     # keys beside the axes, never over the bars: what the marks mean, then which colour is which
     # sequence (the longest ones; colours cycle after 18)
@@ -117,17 +126,7 @@ def plot_plan(plan: PlanForm, path: str | Path, *, title: str | None = None) -> 
     index = plan.index
     lengths = index.lengths
     shown = sorted(range(len(lengths)), key=lambda g: (-int(lengths[g]), g))[:_KEY_SEQS]
-    ring = getattr(plan, "rings", None)
-    keys = []
-    for g in sorted(shown):
-        b = int(plan.seq_group[g])
-        k = len(plan.groups[b])
-        if k == 1:
-            where = f"rank {plan.groups[b][0]}"
-        else:
-            where = f"{k} ranks" + (f", ring {int(ring[b])}" if ring is not None and int(ring[b]) > 1 else "")
-        label = f"seq {g}: {int(lengths[g])} tok, rank {int(index.src_rank[g])} -> {where}"
-        keys.append(Patch(facecolor=cmap(g), label=label))
+    keys = [Patch(facecolor=cmap(g), label=seq_label(plan, g)) for g in sorted(shown)]
     more = len(lengths) - len(shown)
     title_keys = "colour = sequence" + (f" ({len(shown)} longest; {more} more)" if more > 0 else "")
     ax.legend(
@@ -140,6 +139,5 @@ def plot_plan(plan: PlanForm, path: str | Path, *, title: str | None = None) -> 
         borderaxespad=0.0,
     )
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=DPI)
     plt.close(fig)

@@ -30,6 +30,7 @@ sequence still runs its heads).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ import numpy as np
 
 from knapformer.cost_terms import COST_TERMS, coefficients
 from knapformer.plan.chunks import chunk_table, slot_arrays, zigzag_slots
-from knapformer.plan.cost import comm_features, jitter_factor, ring_seconds, route_seconds, ulysses_seconds
+from knapformer.plan.cost import LinkModel, comm_features, jitter_factor, ring_seconds, route_seconds, ulysses_seconds
 from knapformer.plan.memory import gathered_memory
 from knapformer.plan.problem import PlanProblem, moldable_lower_bound
 from knapformer.plan.seqindex import (
@@ -50,7 +51,7 @@ from knapformer.plan.seqindex import (
     SRC,
     SeqIndex,
     group_arrays,
-    group_members,
+    largest_group,
     spread_over_groups,
     sum_by,
 )
@@ -150,6 +151,9 @@ class Plan:
     """Made for the ``pre_attn`` path (``attn_path="pre_attn"``): its ring groups all-gather
     keys and values for one kernel call, priced so in ``time_after`` and counted in
     :meth:`memory_per_rank` (not part of the digest: the data a step moves is the same)."""
+    link: LinkModel | None = None
+    """The links the exchanges in ``time_after`` were priced with (None: free); its
+    ``units_per_second`` turns the times into seconds for pictures (not part of the digest)."""
 
     # -- derived ---------------------------------------------------------------------------
     @property
@@ -257,11 +261,12 @@ class Plan:
         the memory cap, and no makespan below the lower bound."""
         check_plan(self)
 
-    def plot(self, path, *, title: str | None = None) -> None:
-        """A PNG of the plan (:func:`knapformer.plan.picture.plot_plan`; needs matplotlib)."""
+    def plot(self, path, *, title: str | None = None, ranks_per_band: int | None = None) -> None:
+        """A PNG of the plan, per rank or in bands of ranks at scale
+        (:func:`knapformer.plan.picture.plot_plan`; needs matplotlib)."""
         from knapformer.plan.picture import plot_plan
 
-        plot_plan(self, path, title=title)
+        plot_plan(self, path, title=title, ranks_per_band=ranks_per_band)
 
     # -- JSON ------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -296,6 +301,7 @@ def _plan_to_dict(plan: Plan) -> dict[str, Any]:
         "cost_model": plan.cost_model.to_dict() if plan.cost_model is not None else None,
         "ring": list(plan.ring) if plan.ring is not None else None,
         "kv_gather": plan.kv_gather,
+        "link": dataclasses.asdict(plan.link) if plan.link is not None else None,
         "stats": plan.stats(),
     }
 
@@ -326,6 +332,7 @@ def _plan_from_dict(d: dict[str, Any]) -> Plan:
             cost_model=WorkloadModel.from_dict(d["cost_model"]) if d.get("cost_model") else None,
             ring=tuple(int(r) for r in d["ring"]) if d.get("ring") is not None else None,
             kv_gather=d.get("kv_gather", False) is True or _not_a_flag(d.get("kv_gather", False)),
+            link=LinkModel(**d["link"]) if d.get("link") is not None else None,
         )
     except (TypeError, ValueError) as exc:
         raise ValueError(f"malformed plan JSON: {exc}") from exc
@@ -340,18 +347,6 @@ def _not_a_flag(v) -> bool:
 def _imbalance(t: np.ndarray) -> float:
     mean = float(t.mean()) if t.size else 0.0
     return float(t.max()) / mean - 1.0 if mean > 0 else 0.0
-
-
-def largest_group(groups, seq_group: np.ndarray, num_ranks: int) -> np.ndarray:
-    """(S,) the size of the largest group holding sequences each rank is in (1 if none)."""
-    sizes, _ = group_arrays(groups)
-    members, owner = group_members(groups)
-    used = np.zeros(len(groups), dtype=bool)
-    used[np.unique(seq_group)] = True
-    out = np.ones(num_ranks, dtype=np.int64)
-    keep = used[owner]
-    np.maximum.at(out, members[keep], sizes[owner[keep]])
-    return out
 
 
 def rank_times(problem: PlanProblem, groups, seq_group: np.ndarray, chunks: np.ndarray, ring=None) -> np.ndarray:
@@ -401,6 +396,7 @@ def build_plan(
         cost_model=problem.model,
         ring=ring,
         kv_gather=problem.kv_gather,
+        link=problem.link,
     )
     plan.__dict__["index"] = problem.index  # share the numbering (fills the cached_property)
     cap = problem.max_tokens_per_rank

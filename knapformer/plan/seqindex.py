@@ -25,6 +25,7 @@ __all__ = [
     "START",
     "SeqIndex",
     "group_arrays",
+    "largest_group",
     "spread_over_groups",
     "stable_order",
     "sum_by",
@@ -147,6 +148,18 @@ plan's groups; the cost functions ask for them a dozen times per candidate plan)
 group_arrays = _cached(_arrays)
 """(G,) group sizes and (G, max size) group ranks padded with -1 (cached for tuples of tuples;
 read-only then)."""
+
+
+def largest_group(groups, seq_group: np.ndarray, num_ranks: int) -> np.ndarray:
+    """(S,) the size of the largest group holding sequences each rank is in (1 if none)."""
+    sizes, _ = group_arrays(groups)
+    members, owner = group_members(groups)
+    used = np.zeros(len(groups), dtype=bool)
+    used[np.unique(seq_group)] = True
+    out = np.ones(num_ranks, dtype=np.int64)
+    keep = used[owner]
+    np.maximum.at(out, members[keep], sizes[owner[keep]])
+    return out
 
 
 def stable_order(keys: np.ndarray, bound: int | None = None) -> np.ndarray:

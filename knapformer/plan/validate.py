@@ -36,6 +36,7 @@ class PlanForm(Protocol):
     cost_model: object
     ring: tuple[int, ...] | None
     kv_gather: bool
+    link: object
 
     @property
     def index(self) -> SeqIndex: ...

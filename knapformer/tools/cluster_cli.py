@@ -39,6 +39,7 @@ from knapformer.tools.cli_support import (
     positive_int,
     run_tool,
 )
+from knapformer.tools.plots import plot_layouts
 from knapformer.workload import WorkloadModel
 
 __all__ = ["add_args", "run"]
@@ -80,6 +81,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--allow-cross-node", action="store_true", help="the layout search may use bags spanning nodes")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--plot", metavar="FILE", default=None, help="write a PNG of the layouts' step times and HFU")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_balancer_args(
         p,
@@ -156,6 +158,9 @@ def run(args: argparse.Namespace) -> int:
             r.speedup = base.step_s / r.step_s
         best = results[0] if results else base
     rows = [base.row()] + [r.row() for r in results]
+    if args.plot:
+        what = f"{args.model} on {args.gpus} x {hw.name} ({hw.gpus_per_node}/node), {len(steps)} sampled step(s)"
+        plot_layouts(args.plot, rows, title=what, best=best.bags)
     if args.json:
         print(
             json.dumps(
@@ -163,6 +168,8 @@ def run(args: argparse.Namespace) -> int:
                 indent=1,
             )
         )
+        if args.plot:  # stdout stays JSON
+            print(f"wrote {args.plot}", file=sys.stderr)
         return 0
     print(f"{args.model} on {args.gpus} x {hw.name} ({hw.gpus_per_node}/node), {len(steps)} sampled step(s)")
     print(
@@ -180,6 +187,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"{r['bags']}: largest group {r['largest_group']} ranks{ring}")
     if search:
         print(f"best: {best.bags} ({best.speedup:.3f}x vs none)")
+    if args.plot:
+        print(f"wrote {args.plot}")
     return 0
 
 

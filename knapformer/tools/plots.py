@@ -6,7 +6,18 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["integer_steps", "plot_prediction", "plot_rank_work", "plot_step_times", "seconds_log_axis"]
+__all__ = [
+    "LAYOUT_ROWS",
+    "integer_steps",
+    "plot_layouts",
+    "plot_prediction",
+    "plot_rank_work",
+    "plot_step_times",
+    "seconds_log_axis",
+]
+
+LAYOUT_ROWS = 40
+"""Most layouts :func:`plot_layouts` draws (the baseline and the fastest)."""
 
 
 def _plt():
@@ -115,5 +126,59 @@ def plot_prediction(path: str | Path, telemetry: list[dict]) -> None:
     integer_steps(ax)
     ax.legend(fontsize=8)
     fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_layouts(path: str | Path, rows: list[dict], *, title: str = "", best: str | None = None) -> None:
+    """``knapformer cluster --plot``: per layout (rows of ``bags``, ``step_s``, ``comm_share``,
+    ``speedup``, ``hfu``), its predicted step time (the slowest rank's exchanges shaded) and its
+    HFU side by side, one row each. The first row (the ``none`` baseline) and the fastest
+    layouts up to :data:`LAYOUT_ROWS` rows are drawn, so the picture stays readable (at most
+    1,210 × 1,320 px)."""
+    if not rows:
+        raise ValueError("no layouts to plot")
+    for r in rows:
+        missing = [k for k in ("bags", "step_s", "comm_share", "speedup", "hfu") if k not in r]
+        if missing:
+            raise ValueError(f"layout row {r.get('bags', r)!r} lacks {missing}")
+    drawn = [rows[0]] + sorted(rows[1:], key=lambda r: (r["step_s"], r["bags"]))[: LAYOUT_ROWS - 1]
+    left_out = len(rows) - len(drawn)
+    plt = _plt()
+    from matplotlib.patches import Patch
+
+    n = len(drawn)
+    fig, (ax_t, ax_h) = plt.subplots(1, 2, sharey=True, figsize=(11, min(2.4 + 0.24 * n, 12)))
+    y = np.arange(n)
+    step = np.array([r["step_s"] for r in drawn], dtype=float)
+    comm = step * np.array([r["comm_share"] for r in drawn], dtype=float)
+    hfu = 100 * np.array([r["hfu"] for r in drawn], dtype=float)
+    colours = ["tab:green" if r["bags"] == best else "tab:blue" for r in drawn]
+    colours[0] = "tab:orange"  # the baseline
+    ax_t.barh(y, step - comm, 0.7, color=colours)
+    ax_t.barh(y, comm, 0.7, left=step - comm, color="0.75", edgecolor="0.5", linewidth=0.3)
+    for i, r in enumerate(drawn):
+        ax_t.text(step[i], i, f" {step[i]:.3g} s, {r['speedup']:.2f}x", va="center", fontsize=7)
+        ax_h.text(hfu[i], i, f" {hfu[i]:.1f}%", va="center", fontsize=7)
+    ax_h.barh(y, hfu, 0.7, color=colours)
+    ax_t.set_yticks(y, [r["bags"] for r in drawn], fontsize=7)
+    for tick, r in zip(ax_t.get_yticklabels(), drawn):
+        if r["bags"] == best:
+            tick.set_fontweight("bold")
+    ax_t.invert_yaxis()
+    ax_t.set_xlim(0, step.max() * 1.3)
+    ax_h.set_xlim(0, max(hfu.max(), 1e-9) * 1.25)
+    ax_t.set_xlabel("predicted step time (s)")
+    ax_h.set_xlabel("HFU (% of peak FLOP/s)")
+    used = set(colours[1:])
+    keys = [Patch(color="tab:orange", label=f"{drawn[0]['bags']} (the speedups' baseline)")]
+    keys += [Patch(color=c, label=lab) for c, lab in (("tab:blue", "layout"), ("tab:green", "best")) if c in used]
+    keys.append(Patch(facecolor="0.75", edgecolor="0.5", label="exchanges (slowest rank)"))
+    # above the bars (never over them); tight_layout makes room for it
+    ax_t.legend(handles=keys, fontsize=7, loc="lower left", bbox_to_anchor=(0.0, 1.01), ncol=2, borderaxespad=0.0)
+    more = f" ({left_out} slower layouts not drawn)" if left_out else ""
+    fig.suptitle(f"{title}{more}" if title else f"predicted step time and HFU per layout{more}", fontsize=9)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
