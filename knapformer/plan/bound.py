@@ -13,10 +13,10 @@ from typing import Protocol
 
 import numpy as np
 
-from knapformer.plan.cost import LinkModel, member_comm_lower
+from knapformer.plan.cost import LinkModel, jitter_factor, member_comm_lower
 from knapformer.workload import WorkloadModel
 
-__all__ = ["BoundInput", "moldable_lower_bound"]
+__all__ = ["BoundInput", "moldable_lower_bound", "size_costs"]
 
 
 class BoundInput(Protocol):
@@ -38,8 +38,9 @@ class BoundInput(Protocol):
     def ring_of(self, k: int) -> int: ...
 
 
-def moldable_lower_bound(problem: BoundInput, degrees) -> float:
+def moldable_lower_bound(problem: BoundInput, degrees, *, jitter: bool = True) -> float:
     """A makespan no plan with groups of the given sizes can beat (size 1 is always counted).
+    ``jitter=False`` leaves the sync jitter out (a lower figure; :func:`size_costs`).
 
     Per sequence and size k, its busiest member's cost and its members' total work, both
     with the least communication a k-group must pay (:func:`~knapformer.plan.cost.member_comm_lower`).
@@ -69,14 +70,15 @@ def moldable_lower_bound(problem: BoundInput, degrees) -> float:
     sizes = sorted(set(int(k) for k in degrees) | {1})
     node = link.gpus_per_node if link is not None else max(sizes)
     narrow = [k for k in sizes if k <= node]
-    per_n, total_n = _size_costs(problem, narrow, L[long], fastest)
+    per_n, total_n = size_costs(problem, narrow, L[long], fastest, jitter=jitter)
     wide_sel = (per_n.min(axis=0) > fluid) & (len(narrow) < len(sizes))
     wide_cols = np.flatnonzero(wide_sel)
-    per_w, total_w = _size_costs(problem, [k for k in sizes if k > node], L[long[wide_cols]], fastest)
+    per_w, total_w = size_costs(problem, [k for k in sizes if k > node], L[long[wide_cols]], fastest, jitter=jitter)
     beyond = np.full(long.size, np.inf)
     if len(narrow) < len(sizes) and not wide_sel.all():
         rest_cols = np.flatnonzero(~wide_sel)
-        beyond[rest_cols] = _size_costs(problem, [k for k in sizes if k > node], L[long[rest_cols]], 1.0)[1].min(axis=0)
+        wide = [k for k in sizes if k > node]
+        beyond[rest_cols] = size_costs(problem, wide, L[long[rest_cols]], 1.0, jitter=jitter)[1].min(axis=0)
     rest = float(work.sum() - work[long].sum())  # the others at one rank each, their cheapest
 
     def reachable(t: float) -> bool:
@@ -98,14 +100,19 @@ def moldable_lower_bound(problem: BoundInput, degrees) -> float:
     return lo
 
 
-def _size_costs(problem: BoundInput, sizes, L: np.ndarray, fastest: float) -> tuple[np.ndarray, np.ndarray]:
+def size_costs(
+    problem: BoundInput, sizes, L: np.ndarray, fastest: float, *, jitter: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
     """(busiest member's time, members' total work), each (len(sizes), len(L)), with the least
     communication of each size; every size in one broadcast.
 
     A member's time is its compute over its speed plus its exchanges (which no speed
     shortens), so: time ≥ chunk / fastest + comm; and Σ speed·time ≥ all compute + slowest
     speed × all comm — the total counts communication at the slowest speed (ranks slower than
-    1 otherwise made it no bound).
+    1 otherwise made it no bound). Every member of a k-rank group (k ≥ 2) waits at its
+    exchanges: the cost model charges all its compute ``1 + sync_jitter · jitter_factor(k')``
+    times for the largest group k' ≥ k it is in, so the compute here counts at least the
+    k-group's factor (``jitter=False``: 1, a lower figure).
 
     Caveat, rings: the ring exchanges are priced per sequence, as the planner prices them
     (:func:`~knapformer.plan.cost.member_comm_lower`: what its own attention does not hide at
@@ -121,10 +128,12 @@ def _size_costs(problem: BoundInput, sizes, L: np.ndarray, fastest: float) -> tu
         return np.zeros(shape), np.zeros(shape)
     k = np.asarray(sizes, dtype=np.int64)[:, None]
     slowest = float(problem.speed.min())
-    comm = 0.0
+    comm, wait = 0.0, 1.0
     if link is not None:
         ring = np.asarray([problem.ring_of(int(v)) for v in sizes], dtype=np.int64)[:, None]
         comm = member_comm_lower(L[None, :], k, model, link, ring=ring, gather=problem.kv_gather)
-    per = np.broadcast_to(model.chunk_cost(-(-L // k), L, k) / fastest + comm, shape)
-    total = np.broadcast_to(model.cost(L) + (k - 1) * model.per_seq_coef + k * comm * slowest, shape)
+        if jitter:  # every member of a k-group waits at least the k-group's sync jitter
+            wait = 1.0 + link.sync_jitter * jitter_factor(k)
+    per = np.broadcast_to(model.chunk_cost(-(-L // k), L, k) * wait / fastest + comm, shape)
+    total = np.broadcast_to((model.cost(L) + (k - 1) * model.per_seq_coef) * wait + k * comm * slowest, shape)
     return per, total
