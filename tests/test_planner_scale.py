@@ -17,7 +17,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from knapformer.plan import PlanProblem, plan_sequences
-from knapformer.plan.cost import LinkModel, member_comm_lower
+from knapformer.plan.cost import LinkModel
 from knapformer.workload import WorkloadModel
 
 MODEL = WorkloadModel(d_model=256, num_heads=24, num_layers=4)
@@ -108,15 +108,11 @@ def _dense_bound(problem: PlanProblem) -> float:
     """The allotment bound with every sequence priced at every size (no pruning)."""
     if problem.num_seqs == 0:
         return 0.0
-    L, model, link = problem.lengths, problem.model, problem.link
+    from knapformer.plan.bound import size_costs
+
     speed = problem.speed
-    fastest, slowest, capacity = float(speed.max()), float(speed.min()), float(speed.sum())
-    per, total = [], []
-    for k in problem.degrees:
-        comm = member_comm_lower(L, k, model, link, ring=problem.ring_of(k)) if link else 0.0
-        per.append(model.chunk_cost(-(-L // k), L, k) / fastest + comm)
-        total.append(model.cost(L) + (k - 1) * model.per_seq_coef + k * comm * slowest)
-    per, total = np.asarray(per), np.asarray(total)
+    fastest, capacity = float(speed.max()), float(speed.sum())
+    per, total = size_costs(problem, sorted(set(problem.degrees) | {1}), problem.lengths, fastest)
 
     def reachable(t):
         return np.where(per <= t, total, np.inf).min(axis=0).sum() <= capacity * t

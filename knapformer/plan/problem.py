@@ -20,7 +20,7 @@ from functools import cached_property
 import numpy as np
 
 from knapformer.layout import AutoLayout, BagLayout, parse_layout
-from knapformer.plan.bound import moldable_lower_bound
+from knapformer.plan.bound import moldable_lower_bound, moldable_lower_bounds
 from knapformer.plan.cost import LinkModel
 from knapformer.plan.memory import gather_extra_estimate, gather_share
 from knapformer.plan.seqindex import SeqIndex, spread_over_groups, stable_order, sum_by
@@ -372,7 +372,7 @@ class PlanProblem:
         if self.num_seqs == 0:
             return 0.0
         if self.auto:
-            return moldable_lower_bound(self, self.degrees)
+            return self._bounds[0]
         fluid = float(self.work.sum() / self.speed.sum())
         best = np.full(self.num_seqs, np.inf)
         options = sorted({(len(r), float(self.speed[list(r)].max())) for r in self.bags})
@@ -386,9 +386,9 @@ class PlanProblem:
     def steady_bound(self) -> float:
         """:attr:`lower_bound` without the sync jitter: ``auto``'s degree targets (aimed at the
         higher bound, giant-mix video steps planned up to 1.7% slower)."""
-        if not self.auto or self.num_seqs == 0 or self.link is None or not self.link.sync_jitter:
-            return self.lower_bound
-        return moldable_lower_bound(self, self.degrees, jitter=False)
+        return self._bounds[1] if self.auto and self.num_seqs else self.lower_bound
+
+    _bounds = cached_property(lambda self: moldable_lower_bounds(self, self.degrees))
 
     def check_capacity(self) -> None:
         """Fail fast when no plan can satisfy the memory cap (necessary conditions)."""

@@ -1,7 +1,7 @@
 """Moldable planner (layout ``auto``): every step, each sequence's parallel degree and ranks.
 
 A sequence of length L on a k-rank group costs each member ``lin(L/k) + quad(L)/k + per_seq``
-plus its share of the Ulysses exchanges (:func:`~knapformer.plan.cost.member_comm_estimate`),
+plus its share of the Ulysses exchanges (:func:`~knapformer.plan.member_comm.member_comm_estimate`),
 so sharding is free only when communication is. The planner:
 
 1. **Degrees.** For a target makespan T (a multiple α of the moldable lower bound), each
@@ -14,7 +14,7 @@ so sharding is free only when communication is. The planner:
    without a link model) with the earliest finish of its busiest member (ties: a block
    holding the sequence's source rank, then the lowest). The source rank of each split
    sequence is first charged for sending what leaves it (route and reverse,
-   :func:`~knapformer.plan.cost.route_home_estimate`): a 250k-token video's source sends
+   :func:`~knapformer.plan.member_comm.route_home_estimate`): a 250k-token video's source sends
    ~1.5 GB, and without the charge the images filled it up like any other rank.
 3. **Whole sequences** fill the ranks around them by earliest-finish LPT (exact insertion for
    the largest and smallest, vectorised rounds for the middle) and a local search moves and
@@ -48,6 +48,7 @@ import numpy as np
 from knapformer.plan.plan import Plan, build_plan
 from knapformer.plan.problem import PlanProblem
 from knapformer.plan.solvers.common import stamp
+from knapformer.plan.solvers.lpt import EXACT_ITEMS, HEAP_ITEMS
 from knapformer.plan.solvers.member_costs import MemberCosts, balanced_target, member_costs
 from knapformer.plan.solvers.menu import (
     FIXED_ALL_UP_TO,
@@ -57,7 +58,7 @@ from knapformer.plan.solvers.menu import (
     matched_layouts,
 )
 from knapformer.plan.solvers.placement import place
-from knapformer.plan.solvers.uniform import solve_bags, uniform_candidates
+from knapformer.plan.solvers.uniform import QUICK_ITERS, solve_bags, uniform_candidates
 
 __all__ = [
     "CANDIDATES_PER_SECOND",
@@ -91,11 +92,15 @@ of the bound (module docstring)."""
 
 
 def _candidate(problem: PlanProblem, costs: MemberCosts, pick: np.ndarray) -> Plan | None:
-    return place(problem, costs, pick, whole_plan=lambda p: solve_bags(p, f"g1n{p.num_ranks}"))
+    if problem.num_seqs > EXACT_ITEMS:  # every sequence whole, many: one-rank bags, quickly
+        whole = lambda p: solve_bags(p, f"g1n{p.num_ranks}", quick=True, max_iters=QUICK_ITERS)  # noqa: E731
+    else:
+        whole = lambda p: solve_bags(p, f"g1n{p.num_ranks}")  # noqa: E731
+    return place(problem, costs, pick, whole_plan=whole)
 
 
-def _fixed_candidates(problem: PlanProblem, specs: list[str], *, quick: bool = False) -> list[Plan]:
-    return [p for spec in specs if (p := solve_bags(problem, spec, quick=quick)) is not None]
+def _fixed_candidates(problem: PlanProblem, specs: list[str], **kw) -> list[Plan]:
+    return [p for spec in specs if (p := solve_bags(problem, spec, **kw)) is not None]
 
 
 def _fine_picks(problem: PlanProblem, costs: MemberCosts, lb: float, first: np.ndarray, node: int) -> np.ndarray:
@@ -120,10 +125,12 @@ def solve_moldable(problem: PlanProblem, *, time_budget_s: float | None = None) 
     lb = problem.steady_bound  # the degree targets' base (PlanProblem.steady_bound)
     # the work to do, as a count (identical on every rank): α candidates, then uniform layouts
     extra = 0 if time_budget_s is None else int(time_budget_s * CANDIDATES_PER_SECOND)
-    n_alpha = min(len(ALPHAS), (2 if n <= 2048 else 1) + extra)
+    n_alpha = min(len(ALPHAS), 1 + extra)
     # price each sequence only at the degrees a target the runs below try can pick (targets
-    # with every degree: α = 1 and 1/8, then at least the bound; plain ones: ALPHAS; _FINER)
-    costs = member_costs(problem, lb * min(*ALPHAS[:n_alpha], _FINER, _FINE), lb * min(ALPHAS[:2]))
+    # with every degree: the α, 1/8 when a ring is wanted, then at least the bound; inside a
+    # node: _FINER, _FINE)
+    floor = lb * min(*ALPHAS[:n_alpha], _FINER, _FINE)
+    costs = member_costs(problem, floor, lb * min(ALPHAS[:n_alpha]))
     D = costs.D
     fixed = fixed_layouts(problem) if problem.num_ranks <= FIXED_ALL_UP_TO else []
     if extra and problem.num_ranks > FIXED_ALL_UP_TO:  # budget left after the α: the layout menu
@@ -140,18 +147,21 @@ def solve_moldable(problem: PlanProblem, *, time_budget_s: float | None = None) 
     first = costs.picks(lb * ALPHAS[0])
     runs = [(None, lb * ALPHAS[0])] + [(plain if a >= ALPHAS[1] else in_node, lb * a) for a in ALPHAS[1:n_alpha]]
     ringed = not bool(plain[first].all())
+    if ringed and n_alpha < 2:  # the ring runs below pick beyond a node for targets down to α = 1/8
+        costs = member_costs(problem, floor, lb * min(ALPHAS[:2]))
     if ringed and n <= 2048:  # a sequence wants a ring: its Ulysses-only twin, and rings as wide as pays
         runs += [(plain, lb * ALPHAS[0]), (None, lb * ALPHAS[1])]
     picks = [costs.picks(t, allow) for allow, t in runs]
     candidates = [p for pick in picks if (p := _candidate(problem, costs, pick)) is not None]
     loose = bool(candidates) and min(candidates, key=lambda p: p.makespan).imbalance_after > _LOOSE
-    fine = _fine_picks(problem, costs, lb, first, node)
-    if not any((fine == p).all() for p in picks) and (p := _candidate(problem, costs, fine)) is not None:
-        candidates.append(p)
+    fine = _fine_picks(problem, costs, lb, first, node) if loose else None
+    if fine is not None and not any((fine == p).all() for p in picks):
+        if (p := _candidate(problem, costs, fine)) is not None:
+            candidates.append(p)
     candidates += _fixed_candidates(problem, fixed)
     if loose and not ringed and problem.num_ranks > FIXED_ALL_UP_TO:  # the layout a user would pick
         matched = [s for s in matched_layouts(problem, costs, first, 2 if n <= 2048 else 1) if s not in fixed]
-        candidates += _fixed_candidates(problem, matched, quick=True)
+        candidates += _fixed_candidates(problem, matched, quick=n > 2048, max_iters=100 if n > HEAP_ITEMS else None)
     if loose and ringed:  # coarse whole sequences beside ring groups: split them finer inside nodes
         Darr = np.asarray(D)
         finer = costs.picks(lb * _FINER)
@@ -182,7 +192,8 @@ def solve_moldable(problem: PlanProblem, *, time_budget_s: float | None = None) 
                 candidates.append(p)
     reached = min((p.makespan for p in candidates), default=np.inf)
     if problem.num_ranks > FIXED_ALL_UP_TO:  # the uniform layouts that can still win (their bounds)
-        candidates += uniform_candidates(problem, reached, quick=n > 2048)
+        done = {len(p.groups[0]) for p in candidates if p.is_partition and len({len(g) for g in p.groups}) == 1}
+        candidates += uniform_candidates(problem, reached, quick=n > 256, skip=done)
         reached = min((p.makespan for p in candidates), default=np.inf)
     # every sequence whole at home (nothing moves, nothing priced but compute: its makespan is
     # the unbalanced time): auto is never predicted slower than that; built only when it can win

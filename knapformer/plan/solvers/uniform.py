@@ -23,13 +23,21 @@ import numpy as np
 
 from knapformer.layout import BagLayout
 from knapformer.plan.bound import size_costs
+from knapformer.plan.cost import jitter_factor
 from knapformer.plan.plan import Plan, build_plan
 from knapformer.plan.problem import PlanProblem
-from knapformer.plan.solvers.lpt import HEAP_ITEMS, lpt_assignment, solve_lpt
+from knapformer.plan.solvers.lpt import lpt_assignment, solve_lpt
 from knapformer.plan.solvers.menu import fits_nodes, spec_terms
 from knapformer.plan.solvers.refine import local_search, relabel_for_locality, settle_home
 
-__all__ = ["solve_bags", "uniform_bound", "uniform_candidates", "uniform_sizes"]
+__all__ = ["QUICK_ITERS", "UNIFORM_SLACK", "solve_bags", "uniform_bound", "uniform_candidates", "uniform_sizes"]
+
+UNIFORM_SLACK = 0.002
+"""A uniform layout whose bound is within this of the best plan so far is not planned: no plan
+of it can beat that one by more (``auto`` promises at most 0.5% above every uniform layout)."""
+QUICK_ITERS = 300
+"""Local-search iterations of a quick uniform plan (the default is the bags + 100: 4,196 on
+4,096 one-rank bags, ~0.3 ms each)."""
 
 
 def uniform_sizes(problem: PlanProblem) -> list[int]:
@@ -46,6 +54,11 @@ def uniform_bound(problem: PlanProblem, k: int, ceiling: float = np.inf) -> floa
     L = problem.lengths
     if L.size == 0:
         return 0.0
+    link, capacity = problem.link, float(problem.speed.sum())
+    if k > 1 and link is not None:  # O(1) first: all the compute, each member waiting its jitter
+        fluid = float(problem.work.sum()) * (1.0 + link.sync_jitter * float(jitter_factor(k))) / capacity
+        if fluid >= ceiling:
+            return fluid
     fastest = float(problem.speed.max())
     longest = L[np.argmax(L)][None]
     per, _ = size_costs(problem, [k], longest, fastest)
@@ -53,19 +66,19 @@ def uniform_bound(problem: PlanProblem, k: int, ceiling: float = np.inf) -> floa
     if top >= ceiling:
         return top
     per, total = size_costs(problem, [k], L, fastest)
-    return max(float(per.max()), float(total.sum()) / float(problem.speed.sum()))
+    return max(float(per.max()), float(total.sum()) / capacity)
 
 
-def solve_bags(problem: PlanProblem, spec: str, *, quick: bool = False) -> Plan | None:
+def solve_bags(problem: PlanProblem, spec: str, *, quick: bool = False, max_iters: int | None = None) -> Plan | None:
     """The default bag solver's plan of ``problem``'s sequences under the bag layout ``spec``
     (None if the cap cannot be met), with the ``auto`` problem's bound and the name
-    ``moldable``. ``quick``: its LPT start alone (:func:`_lpt_once`, without a memory cap), and
-    above :data:`~knapformer.plan.solvers.lpt.HEAP_ITEMS` sequences 100 local-search iterations
-    unless the options name a count (on the paper's joint mix at 4,096 ranks: 1.0652× the
-    bound in 139 ms where the default 2,148 reach 1.0637× in 216 ms)."""
+    ``moldable``. ``quick``: its LPT start alone (:func:`_lpt_once`, without a memory cap);
+    ``max_iters``: local-search iterations when the options name none (on the paper's joint
+    mix at 4,096 ranks a matched layout reached 1.0652× the bound in 139 ms with 100 where the
+    default 2,148 reach 1.0637× in 216 ms)."""
     options = problem.options
-    if quick and options.max_iters is None and problem.num_seqs > HEAP_ITEMS:
-        options = dataclasses.replace(options, max_iters=100)
+    if max_iters is not None and options.max_iters is None:
+        options = dataclasses.replace(options, max_iters=max_iters)
     sub = PlanProblem(
         seq_lens=problem.seq_lens,
         layout=BagLayout(tuple(spec_terms(spec))),
@@ -98,16 +111,18 @@ def _lpt_once(problem: PlanProblem) -> Plan:
     return build_plan(problem, polished, solver="lpt")
 
 
-def uniform_candidates(problem: PlanProblem, best: float, *, quick: bool = False) -> list[Plan]:
-    """The plans of the uniform layouts that can beat ``best`` (module docstring), cheapest
-    bound first; a plan that beats it lowers the bar for the next."""
-    S, tol = problem.num_ranks, problem.options.tie_tolerance
-    bounds = sorted((uniform_bound(problem, k, best), k) for k in uniform_sizes(problem))
+def uniform_candidates(problem: PlanProblem, best: float, *, quick: bool = False, skip=()) -> list[Plan]:
+    """The plans of the uniform layouts that can beat ``best`` by more than
+    :data:`UNIFORM_SLACK` (module docstring), cheapest bound first; a plan that beats it lowers
+    the bar for the next. ``quick``: the LPT start alone, at most :data:`QUICK_ITERS`
+    local-search iterations; ``skip``: sizes already planned."""
+    S = problem.num_ranks
+    bounds = sorted((uniform_bound(problem, k, best), k) for k in uniform_sizes(problem) if k not in skip)
     out = []
     for bound, k in bounds:
-        if bound >= best * (1 - tol):
+        if bound * (1 + UNIFORM_SLACK) >= best:
             break
-        plan = solve_bags(problem, f"g{k}n{S // k}", quick=quick)
+        plan = solve_bags(problem, f"g{k}n{S // k}", quick=quick, max_iters=QUICK_ITERS if quick else None)
         if plan is not None:
             out.append(plan)
             best = min(best, plan.makespan)
