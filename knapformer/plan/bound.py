@@ -121,7 +121,7 @@ def _bisect(per_n, total_n, per_w, total_w, wide_cols, beyond, rest: float, flui
 
 
 def size_costs(
-    problem: BoundInput, sizes, L: np.ndarray, fastest: float, *, jitter: bool = True
+    problem: BoundInput, sizes, L: np.ndarray, fastest: float, *, jitter: bool = True, exposed: bool = True
 ) -> tuple[np.ndarray, np.ndarray]:
     """(busiest member's time, members' total work), each (len(sizes), len(L)), with the least
     communication of each size; every size in one broadcast.
@@ -143,11 +143,13 @@ def size_costs(
     figure is the cost model's ring-priced bound rather than a proof; fuzzing
     (``tests/test_planner_scale.py``) found no plan below it. Leaving the ring part out (a
     proof) was tried: the planner aims at multiples of the bound, so its picks moved too
-    (giant mix, 256 ranks: 1.076 → 1.104 of that weaker bound on two of three steps)."""
-    return _combine(_size_parts(problem, sizes, L, fastest), jitter)
+    (giant mix, 256 ranks: 1.076 → 1.104 of that weaker bound on two of three steps).
+    ``exposed=False`` leaves the ring exchanges out: a proof (the uniform layouts' pruning
+    uses it for ring sizes: a 16-rank uniform ring plan came 2% under the ring-priced figure)."""
+    return _combine(_size_parts(problem, sizes, L, fastest, exposed=exposed), jitter)
 
 
-def _size_parts(problem: BoundInput, sizes, L: np.ndarray, fastest: float):
+def _size_parts(problem: BoundInput, sizes, L: np.ndarray, fastest: float, *, exposed: bool = True):
     """(compute of the busiest member / fastest, its least exchanges, all members' compute, all
     members' exchanges × slowest speed, the k-group's sync wait factor): :func:`size_costs`'s
     terms, each (len(sizes), len(L)) or broadcastable."""
@@ -160,7 +162,7 @@ def _size_parts(problem: BoundInput, sizes, L: np.ndarray, fastest: float):
     comm, extra, wait = 0.0, 0.0, 1.0
     if link is not None:
         ring = np.asarray([problem.ring_of(int(v)) for v in sizes], dtype=np.int64)[:, None]
-        comm = member_comm_lower(L[None, :], k, model, link, ring=ring, gather=problem.kv_gather)
+        comm = member_comm_lower(L[None, :], k, model, link, ring=ring, gather=problem.kv_gather, exposed=exposed)
         extra = split_total_lower(L[None, :], k, model, link, ring=ring)
         wait = 1.0 + link.sync_jitter * jitter_factor(k)  # every member of a k-group waits this
     chunk = model.chunk_cost(-(-L // k), L, k) / fastest

@@ -68,7 +68,9 @@ def _ulysses_member(L, u, model: WorkloadModel, link: LinkModel, cross, *, lower
     return np.where(u > 1, seconds * link.exchange_passes * link.units_per_second, 0.0)
 
 
-def _member_comm(L, k, model: WorkloadModel, link: LinkModel, cross, ring, *, lower: bool, gather: bool = False):
+def _member_comm(
+    L, k, model: WorkloadModel, link: LinkModel, cross, ring, *, lower: bool, gather: bool = False, exposed: bool = True
+):
     L = np.asarray(L, dtype=np.float64)
     k = np.asarray(k, dtype=np.int64)
     ring = np.asarray(ring, dtype=np.int64)
@@ -76,13 +78,17 @@ def _member_comm(L, k, model: WorkloadModel, link: LinkModel, cross, ring, *, lo
     gpn = link.gpus_per_node
     ringed = ring > 1
     sub = _ulysses_member(L / ring, u, model, link, np.where(ringed, u > gpn, cross), lower=lower)
+    if not exposed:  # the ring's exchanges left out (what the attention they overlap hides varies)
+        return np.where(k > 1, sub, 0.0)
     ring_cross = k > gpn if lower else cross
     around = _ring_member(L, k, np.maximum(ring, 1), model, link, ring_cross, latency=not lower, gather=gather)
     out = np.where(k > 1, sub + np.where(ringed, around, 0.0), 0.0)
     return out
 
 
-def member_comm_lower(L: np.ndarray, k, model: WorkloadModel, link: LinkModel, *, cross=False, ring=1, gather=False):
+def member_comm_lower(
+    L: np.ndarray, k, model: WorkloadModel, link: LinkModel, *, cross=False, ring=1, gather=False, exposed=True
+):
     """A lower bound on what the busiest member of a k-group pays for one sequence of length L,
     in cost units: it receives at least (L − ⌈L/k⌉) tokens' heads before and sends as many
     outputs after attention (latency left out: it is shared by all sequences of a rank). Run as
@@ -92,8 +98,10 @@ def member_comm_lower(L: np.ndarray, k, model: WorkloadModel, link: LinkModel, *
     hides depends on all its ring sequences and the plan's largest ring, see
     :mod:`knapformer.plan.bound`).
     ``k``, ``ring`` (and ``cross``) may be arrays that broadcast against L: many group sizes
-    priced in one call. ``gather``: rings run as the ``pre_attn`` path's K/V all-gather."""
-    return _member_comm(L, k, model, link, cross, ring, lower=True, gather=gather)
+    priced in one call. ``gather``: rings run as the ``pre_attn`` path's K/V all-gather;
+    ``exposed=False`` leaves the ring exchanges out (a proof where the per-sequence ring
+    pricing is none: see :func:`~knapformer.plan.bound.size_costs`)."""
+    return _member_comm(L, k, model, link, cross, ring, lower=True, gather=gather, exposed=exposed)
 
 
 def split_total_lower(L: np.ndarray, k, model: WorkloadModel, link: LinkModel, *, ring=1) -> np.ndarray:

@@ -23,7 +23,6 @@ from knapformer.plan.solvers.common import fits_cap
 __all__ = ["home_among_equals", "local_search", "relabel_for_locality", "return_home", "settle_home"]
 
 _EPS = 1e-12
-_TRACE = None
 _SWAP_BAGS_PER_CLASS = 4  # swap partners come from at least this many least loaded bags per class
 _SWAP_BAGS_MAX = 64
 """... and up to this many in all classes together when the bags hold few items each (the swap matrix stays within
@@ -81,8 +80,6 @@ def local_search(
         t = load / kap
         c = int(np.argmax(t))
         M = t[c]
-        if _TRACE is not None:
-            _TRACE.append(float(M))
         if M <= stop_at:
             break
         items = bag_items.sorted(c)

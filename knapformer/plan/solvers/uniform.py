@@ -61,11 +61,12 @@ def uniform_bound(problem: PlanProblem, k: int, ceiling: float = np.inf) -> floa
             return fluid
     fastest = float(problem.speed.max())
     longest = L[np.argmax(L)][None]
-    per, _ = size_costs(problem, [k], longest, fastest)
+    exposed = problem.ring_of(k) == 1  # (a ring's per-sequence exposure is no bound of a plan's)
+    per, _ = size_costs(problem, [k], longest, fastest, exposed=exposed)
     top = float(per.max())
     if top >= ceiling:
         return top
-    per, total = size_costs(problem, [k], L, fastest)
+    per, total = size_costs(problem, [k], L, fastest, exposed=exposed)
     return max(float(per.max()), float(total.sum()) / capacity)
 
 
