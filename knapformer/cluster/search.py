@@ -21,6 +21,7 @@ from knapformer.config import BalancerConfig
 from knapformer.layout import AutoLayout, BagLayout, parse_layout
 from knapformer.plan import plan_sequences
 from knapformer.plan.solvers.menu import layout_menu
+from knapformer.plan.solvers.uniform import UNIFORM_NODES
 from knapformer.workload import WorkloadModel
 
 __all__ = [
@@ -185,7 +186,8 @@ def static_layouts(num_gpus: int, shape: ModelShape, gpus_per_node: int) -> list
     """The uniform layouts a team configures by hand (``g{k}n{N/k}``): every rank in k-rank
     Ulysses groups for each k inside a node that divides the heads (and the kv heads, or is a
     multiple of them) and the GPUs, then rings of the widest such group over 2, 4, 8, … of
-    them that span whole nodes (dividing the GPUs)."""
+    them that span whole nodes, up to 8 nodes (``knapformer.plan.solvers.uniform.UNIFORM_NODES``,
+    the widest ``auto`` tries too), dividing the GPUs."""
     h, h_kv = shape.heads, shape.kv_heads or shape.heads
     inside = [
         k
@@ -194,7 +196,7 @@ def static_layouts(num_gpus: int, shape: ModelShape, gpus_per_node: int) -> list
     ]
     out = [f"g{k}n{num_gpus // k}" for k in inside]
     k = max(inside) * 2
-    while k <= num_gpus:
+    while k <= min(num_gpus, UNIFORM_NODES * gpus_per_node):
         if k > gpus_per_node and k % gpus_per_node == 0 and num_gpus % k == 0:
             out.append(f"g{k}n{num_gpus // k}")
         k *= 2

@@ -20,14 +20,27 @@ so sharding is free only when communication is. The planner:
    the largest and smallest, vectorised rounds for the middle) and a local search moves and
    swaps them off the critical rank.
 
-Candidates: α = 1 (and α = 1/8, "split more", for up to 2,048 sequences), and — so that
-``auto`` is never worse than a fixed layout the user could have chosen — up to 16 ranks every
-bag layout of the allowed sizes (uniform and mixed) planned by the default solver; above 16
-ranks, when the best of those packs the ranks more than :data:`_LOOSE` unevenly and no
-sequence needs a ring, the menu layouts whose bag shares match its degrees
-(:func:`matched_layouts`). All are priced by the same cost function (communication
-included); the best wins, ties going to fewer tokens moved but never above the best
-fixed-layout plan.
+Candidates, all priced by the same cost function (exchanges and sync waits included); the
+best wins, ties going to fewer tokens moved but never above the best bag-layout plan:
+
+- α = 1: the degree picks at the bound (steps 1–3);
+- when that packs the ranks more than :data:`_LOOSE` unevenly, the *fine* candidate — inside a
+  node, split every sequence whose whole cost exceeds :data:`_FINE` of the bound, keep the
+  rest whole — and, without rings, the menu layouts whose bag shares match the α = 1 degrees
+  (:func:`matched_layouts`). On realistic image + video steps the α = 1 picks left split
+  chunks of 50–95% of the target (two cannot share a rank; whole sequences near the target
+  then found no empty rank, and local search moves only whole sequences): 1.1–1.36× the
+  bound where static Ulysses-8 reached 1.04×. The fine candidate splits what must be split
+  finely enough to pack, and keeps the small sequences off the exchanges;
+- when a sequence needs a ring: its Ulysses-only twin, rings as wide as α = 1/8 pays, a finer
+  split of the sequences inside nodes, and the published hybrid-CP allotment (up to 2,048
+  sequences);
+- the uniform layouts a team configures by hand (``g{k}n{S/k}``, :mod:`.uniform`), each
+  planned by the default solver only while its lower bound says it can still beat the best
+  plan by more than 0.2% — so ``auto`` is never predicted more than that (and the quicker
+  LPT's difference, under 0.2% on the benchmark mixes) above any of them; up to 16 ranks every
+  bag layout of the allowed sizes (uniform and mixed);
+- every sequence at home, when that can win.
 
 Cost: sequences are priced only at the degrees a target can pick (:class:`MemberCosts`) and
 every degree in one broadcast, so a step of 131k sequences on 4,096 ranks (515 allowed

@@ -35,8 +35,8 @@ False gathers every rank's load per sequence (the general path; tests compare th
 
 ROUNDS_FROM = 512
 """Split sequences beyond this many (costliest first) are placed in batched rounds
-(:func:`_rounds`) when every rank is equally fast, no memory cap holds and every degree divides
-the group; the first ones block by block."""
+(:func:`_rounds`) when every rank is equally fast and no memory cap holds, those whose degree
+divides the group; the first ones, and windows of whole nodes, block by block."""
 
 
 _SLOTS = 4  # slots per block and round of the batched placement
@@ -71,8 +71,10 @@ def _split(problem: PlanProblem, degree: np.ndarray, c: np.ndarray, load: np.nda
             at = multi[degree[multi] == k]
             extra[at] = problem.gather_need(L[at], k)
     bulk = np.zeros(0, dtype=np.int64)
-    if multi.size > ROUNDS_FROM and cap is None and fast and all(S % k == 0 for k in used):
-        multi, bulk = multi[:ROUNDS_FROM], multi[ROUNDS_FROM:]
+    if multi.size > ROUNDS_FROM and cap is None and fast:  # the rest of the aligned ones in rounds
+        rest = multi[ROUNDS_FROM:]
+        aligned = S % degree[rest] == 0
+        multi, bulk = np.concatenate([multi[:ROUNDS_FROM], rest[~aligned]]), rest[aligned]
     for g in multi.tolist():
         k = int(degree[g])
         need = -(-int(L[g]) // k) + int(extra[g])

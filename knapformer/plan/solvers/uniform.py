@@ -30,8 +30,20 @@ from knapformer.plan.solvers.lpt import lpt_assignment, solve_lpt
 from knapformer.plan.solvers.menu import fits_nodes, spec_terms
 from knapformer.plan.solvers.refine import local_search, relabel_for_locality, settle_home
 
-__all__ = ["QUICK_ITERS", "UNIFORM_SLACK", "solve_bags", "uniform_bound", "uniform_candidates", "uniform_sizes"]
+__all__ = [
+    "QUICK_ITERS",
+    "UNIFORM_NODES",
+    "UNIFORM_SLACK",
+    "solve_bags",
+    "uniform_bound",
+    "uniform_candidates",
+    "uniform_sizes",
+]
 
+UNIFORM_NODES = 8
+"""The widest uniform layout tried: rings over up to this many nodes (a team's static context
+parallelism; every sequence cut into 2k zigzag chunks on a 512-rank ring took 14 s and then
+the memory of a 4,096-rank plan)."""
 UNIFORM_SLACK = 0.002
 """A uniform layout whose bound is within this of the best plan so far is not planned: no plan
 of it can beat that one by more (``auto`` promises at most 0.5% above every uniform layout)."""
@@ -42,9 +54,12 @@ QUICK_ITERS = 300
 
 def uniform_sizes(problem: PlanProblem) -> list[int]:
     """Group sizes k whose uniform layout ``g{k}n{S/k}`` ``auto`` may run: its allowed degrees
-    (heads, nodes, ``max_degree``) that divide the group, bags inside a node or on whole nodes."""
+    (heads, nodes, ``max_degree``) that divide the group, bags inside a node or on up to
+    :data:`UNIFORM_NODES` whole nodes."""
     S = problem.num_ranks
-    return [k for k in problem.degrees if S % k == 0 and fits_nodes(problem, f"g{k}n{S // k}")]
+    node = problem.link.gpus_per_node if problem.link is not None else S
+    widest = max(node, UNIFORM_NODES * node)
+    return [k for k in problem.degrees if S % k == 0 and k <= widest and fits_nodes(problem, f"g{k}n{S // k}")]
 
 
 def uniform_bound(problem: PlanProblem, k: int, ceiling: float = np.inf) -> float:
@@ -54,7 +69,7 @@ def uniform_bound(problem: PlanProblem, k: int, ceiling: float = np.inf) -> floa
     L = problem.lengths
     if L.size == 0:
         return 0.0
-    link, capacity = problem.link, float(problem.speed.sum())
+    S, link, capacity = problem.num_ranks, problem.link, float(problem.speed.sum())
     if k > 1 and link is not None:  # O(1) first: all the compute, each member waiting its jitter
         fluid = float(problem.work.sum()) * (1.0 + link.sync_jitter * float(jitter_factor(k))) / capacity
         if fluid >= ceiling:
@@ -67,7 +82,20 @@ def uniform_bound(problem: PlanProblem, k: int, ceiling: float = np.inf) -> floa
     if top >= ceiling:
         return top
     per, total = size_costs(problem, [k], L, fastest, exposed=exposed)
-    return max(float(per.max()), float(total.sum()) / capacity)
+    return max(float(per.max()), float(total.sum()) / capacity, _pigeonhole(total[0] / k, S // k) / fastest)
+
+
+def _pigeonhole(share: np.ndarray, bags: int) -> float:
+    """Among the j·B + 1 costliest sequences some bag of B holds j + 1, so its members' mean load
+    is at least (j + 1) × the (j·B + 1)-th largest mean share (j = 1, 2, 3): coarse sequences
+    (4 images of 2,048² per rank) pack no better than that, however the fluid level looks."""
+    top = min(share.size, 3 * bags + 1)
+    if top <= bags:
+        return 0.0
+    s = -np.partition(-share, top - 1)[:top]
+    s.sort()
+    s = s[::-1]
+    return max((j + 1) * float(s[j * bags]) for j in range(1, 4) if j * bags < top)
 
 
 def solve_bags(problem: PlanProblem, spec: str, *, quick: bool = False, max_iters: int | None = None) -> Plan | None:
