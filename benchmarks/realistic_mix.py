@@ -3,7 +3,7 @@
     python benchmarks/realistic_mix.py [--gpus 64 512 4096] [--steps 3] [--mixes realistic longtail ...]
         [--models diffusers-flux-dev diffusers-wan-14b] [--out runs/bench/realistic_mix.json]
 
-Data: synthetic manifests (``knapformer.data.synthetic_manifest``): ``realistic`` (the mix of
+Data: synthetic manifests (``knapformer.data.synthetic``): ``realistic`` (the mix of
 issue 42: 60% images 256²–1,024² at 7 aspect ratios, 30% 2,048², 10% clips of 2–10 s at
 480p/720p 16 fps, 20–300 text tokens; seed 0) and, held out from tuning, ``longtail``,
 ``video-heavy``, ``hires`` and ``lowres-clips`` (seed 1). Each is tokenized by the model

@@ -46,12 +46,12 @@ def problems(draw, max_ranks: int = 12, huge: bool = False):
 
 @st.composite
 def realistic_steps(draw, gpus=(16, 32, 64)):
-    """One sampled step of a synthetic image + video manifest (``knapformer.data.synthetic_manifest``,
+    """One sampled step of a synthetic image + video manifest (``knapformer.data.synthetic``,
     any of its mixes and seeds), tokenized for Flux or Wan and dealt by the token-budget
     sampler at 65,536 tokens per GPU: ``(per-GPU lengths, tokenizer name, cross-attention
     context tokens)``."""
     from knapformer.data.manifest import dealt_steps, manifest_seq_lens
-    from knapformer.data.synthetic_manifest import MANIFEST_MIXES, synthetic_manifest
+    from knapformer.data.synthetic import MANIFEST_MIXES, synthetic_manifest
     from knapformer.data.tokenizers import tokenizer
 
     S = draw(st.sampled_from(gpus))

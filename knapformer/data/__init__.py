@@ -20,7 +20,7 @@ from knapformer.data.codes import (
 )
 from knapformer.data.manifest import Manifest, dealt_steps, manifest_seq_lens, read_manifest, write_manifest
 from knapformer.data.sampler import TokenBudgetBatchSampler, pack_batches
-from knapformer.data.synthetic_manifest import MANIFEST_MIXES, synthetic_manifest
+from knapformer.data.synthetic import MANIFEST_MIXES, synthetic_manifest
 from knapformer.data.tokenizers import TOKENIZERS, Tokenizer, tokenizer, tokenizer_for_model
 
 if TYPE_CHECKING:  # for type checkers and the API reference; needs torch, imported on use

@@ -7,7 +7,7 @@ into sequence lengths; :class:`~knapformer.data.sampler.TokenBudgetBatchSampler`
 the GPUs at ``--budget`` tokens per GPU, one latent shape per batch (``--no-buckets``: any mix),
 and the first ``--steps`` whole steps of epoch 0 (``--seed``) are the steps planned.
 
-``knapformer manifest`` writes a synthetic manifest (:mod:`knapformer.data.synthetic_manifest`)::
+``knapformer manifest`` writes a synthetic manifest (:mod:`knapformer.data.synthetic`)::
 
     knapformer manifest --mix realistic --samples 20000 --out realistic.csv
 """
@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 
 from knapformer.data.manifest import dealt_steps, manifest_seq_lens, read_manifest, write_manifest
-from knapformer.data.synthetic_manifest import MANIFEST_MIXES, synthetic_manifest
+from knapformer.data.synthetic import MANIFEST_MIXES, synthetic_manifest
 from knapformer.data.tokenizers import TOKENIZERS, Tokenizer, tokenizer, tokenizer_for_model
 from knapformer.tools.cli_support import CliError, positive_int, run_tool
 

@@ -19,7 +19,7 @@ measured from any dataset):
 
 Sides are multiples of 16 pixels (what 8× VAEs with 2×2 patches need). Clips are landscape.
 
-    from knapformer.data.synthetic_manifest import synthetic_manifest
+    from knapformer.data.synthetic import synthetic_manifest
     m = synthetic_manifest("realistic", 20_000, seed=0)   # a Manifest
 """
 
