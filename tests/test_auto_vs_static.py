@@ -98,3 +98,19 @@ def test_uniform_candidates_are_pruned_by_a_true_bound():
         for k in (1, 2, 4, 8, 16, 32):
             plan = plan_sequences(lens, f"g{k}n{32 // k}", model, link=LINK)
             assert uniform_bound(p, k) <= plan.makespan * (1 + 1e-9), k
+
+
+def test_the_uniform_total_from_three_sums_is_at_most_the_per_sequence_one():
+    """The O(1)-per-size total (ΣL, Σ⌈L/k⌉, Σwork) never exceeds the sum of the per-sequence
+    totals it stands for (ring exposure left out), and is within 0.1% of it."""
+    from knapformer.plan.bound import size_costs
+    from knapformer.plan.solvers.uniform import _total_work, uniform_sizes
+
+    rng = np.random.default_rng(3)
+    for model in (FLUX, dataclasses.replace(WAN, context_len=160)):
+        lens = np.clip(rng.lognormal(8, 1.5, size=(64, 6)), 1, 400_000).astype(int).tolist()
+        p = PlanProblem(seq_lens=lens, layout="auto", model=model, link=LINK)
+        for k in uniform_sizes(p):
+            exact = size_costs(p, [k], p.lengths, 1.0, exposed=p.ring_of(k) == 1)[1].sum()
+            fast = _total_work(p, k)
+            assert fast <= exact * (1 + 1e-12) and fast >= exact * (1 - 1e-3), (k, fast / exact)

@@ -13,7 +13,7 @@ import numpy as np
 from knapformer.plan.cost import LinkModel, heads_of, kv_values, ring_exposed, widths
 from knapformer.workload import WorkloadModel
 
-__all__ = ["member_comm_estimate", "member_comm_lower", "route_home_estimate", "split_total_lower"]
+__all__ = ["member_comm_estimate", "member_comm_lower", "route_home_estimate", "split_total_lower", "ulysses_member"]
 
 
 def route_home_estimate(L, k, model: WorkloadModel, link: LinkModel):
@@ -48,7 +48,7 @@ def _ring_member(L, k, ring, model: WorkloadModel, link: LinkModel, cross, laten
     return ring_exposed(intra, inter, ring, attn_s, link, latency=latency, gather=gather) * link.units_per_second
 
 
-def _ulysses_member(L, u, model: WorkloadModel, link: LinkModel, cross, *, lower: bool):
+def ulysses_member(L, u, model: WorkloadModel, link: LinkModel, cross, *, lower: bool):
     """Cost units one member of a u-way Ulysses (sub-)group pays for a block of L tokens: the
     least it must receive and send (``lower``: L − ⌈L/u⌉ tokens' heads, latency left out), or
     what it typically moves (L·(u − 1)/u, plus the local copies); arrays broadcast."""
@@ -77,7 +77,7 @@ def _member_comm(
     u = k // ring
     gpn = link.gpus_per_node
     ringed = ring > 1
-    sub = _ulysses_member(L / ring, u, model, link, np.where(ringed, u > gpn, cross), lower=lower)
+    sub = ulysses_member(L / ring, u, model, link, np.where(ringed, u > gpn, cross), lower=lower)
     if not exposed:  # the ring's exchanges left out (what the attention they overlap hides varies)
         return np.where(k > 1, sub, 0.0)
     ring_cross = k > gpn if lower else cross
