@@ -23,7 +23,8 @@ so sharding is free only when communication is. The planner:
 Candidates, all priced by the same cost function (exchanges and sync waits included); the
 best wins, ties going to fewer tokens moved but never above the best bag-layout plan:
 
-- α = 1: the degree picks at the bound (steps 1–3);
+- α = 1: the degree picks at the bound (steps 1–3), and α = 1/8 ("split more", Ulysses
+  degrees only) up to 2,048 sequences;
 - when that packs the ranks more than :data:`_LOOSE` unevenly, the *fine* candidate — inside a
   node, split every sequence whose whole cost exceeds :data:`_FINE` of the bound, keep the
   rest whole — and, without rings, the menu layouts whose bag shares match the α = 1 degrees
@@ -138,7 +139,7 @@ def solve_moldable(problem: PlanProblem, *, time_budget_s: float | None = None) 
     lb = problem.steady_bound  # the degree targets' base (PlanProblem.steady_bound)
     # the work to do, as a count (identical on every rank): α candidates, then uniform layouts
     extra = 0 if time_budget_s is None else int(time_budget_s * CANDIDATES_PER_SECOND)
-    n_alpha = min(len(ALPHAS), 1 + extra)
+    n_alpha = min(len(ALPHAS), (2 if n <= 2048 else 1) + extra)
     # price each sequence only at the degrees a target the runs below try can pick (targets
     # with every degree: the α, 1/8 when a ring is wanted, then at least the bound; inside a
     # node: _FINER, _FINE)
