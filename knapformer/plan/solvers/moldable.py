@@ -23,8 +23,8 @@ so sharding is free only when communication is. The planner:
 Candidates, all priced by the same cost function (exchanges and sync waits included); the
 best wins, ties going to fewer tokens moved but never above the best bag-layout plan:
 
-- α = 1: the degree picks at the bound (steps 1–3), and α = 1/8 ("split more", Ulysses
-  degrees only) up to 2,048 sequences;
+- α = 1: the degree picks at the bound (steps 1–3), and, when that packs the ranks more than
+  :data:`_LOOSE` unevenly, α = 1/8 ("split more", Ulysses degrees only) up to 2,048 sequences;
 - when that packs the ranks more than :data:`_LOOSE` unevenly, the *fine* candidate — inside a
   node, split every sequence whose whole cost exceeds :data:`_FINE` of the bound, keep the
   rest whole — and, without rings, the menu layouts whose bag shares match the α = 1 degrees
@@ -159,7 +159,10 @@ def solve_moldable(problem: PlanProblem, *, time_budget_s: float | None = None) 
     # are priced (MemberCosts), so wider picks there would differ from a dense pricing
     in_node = plain & (np.asarray(D) <= node)
     first = costs.picks(lb * ALPHAS[0])
-    runs = [(None, lb * ALPHAS[0])] + [(plain if a >= ALPHAS[1] else in_node, lb * a) for a in ALPHAS[1:n_alpha]]
+    # α = 1/8 by default only when α = 1 packs loosely (a fine-grained step does not need it)
+    later = n_alpha == 2 and not extra
+    alphas = ALPHAS[1 : 1 if later else n_alpha]
+    runs = [(None, lb * ALPHAS[0])] + [(plain if a >= ALPHAS[1] else in_node, lb * a) for a in alphas]
     ringed = not bool(plain[first].all())
     if ringed and n_alpha < 2:  # the ring runs below pick beyond a node for targets down to α = 1/8
         costs = member_costs(problem, floor, lb * min(ALPHAS[:2]))
@@ -168,6 +171,12 @@ def solve_moldable(problem: PlanProblem, *, time_budget_s: float | None = None) 
     picks = [costs.picks(t, allow) for allow, t in runs]
     candidates = [p for pick in picks if (p := _candidate(problem, costs, pick)) is not None]
     loose = bool(candidates) and min(candidates, key=lambda p: p.makespan).imbalance_after > _LOOSE
+    if later and (loose or not candidates):
+        picks.append(costs.picks(lb * ALPHAS[1], plain))
+        if not any((picks[-1] == q).all() for q in picks[:-1]):
+            if (p := _candidate(problem, costs, picks[-1])) is not None:
+                candidates.append(p)
+        loose = bool(candidates) and min(candidates, key=lambda p: p.makespan).imbalance_after > _LOOSE
     fine = _fine_picks(problem, costs, lb, first, node) if loose else None
     if fine is not None and not any((fine == p).all() for p in picks):
         if (p := _candidate(problem, costs, fine)) is not None:
