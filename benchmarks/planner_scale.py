@@ -49,7 +49,7 @@ from giant_mix import mix_lens, today_plans  # noqa: E402
 from knapformer.plan import PlanProblem, plan_sequences  # noqa: E402
 from knapformer.plan.plan import build_plan  # noqa: E402
 from knapformer.plan.solvers.menu import fits_nodes, layout_menu  # noqa: E402
-from knapformer.plan.solvers.moldable import _solve_bags  # noqa: E402
+from knapformer.plan.solvers.uniform import solve_bags as _solve_bags  # noqa: E402
 
 MIXES = ["giant", "paper-mixres", "paper-joint", "lognormal", "lognormal32"]
 THREE_SIZE = ["g1n4+g2n2+g8n1", "g1n8+g2n2+g4n1", "g1n2+g2n3+g8n1"]

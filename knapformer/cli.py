@@ -3,6 +3,8 @@
     knapformer plan --input lens.json --bags g1n4+g2n2 [--solver lpt] [--output plan.json]
     knapformer simulate [--ranks 2] [--mix ...] [--bags ...] [--model ...] [--report FILE]
     knapformer cluster --mix paper-joint --gpus 32 --model flux --bags g8n4
+    knapformer cluster --manifest data.csv --gpus 64 --model diffusers-wan-14b --bags auto
+    knapformer manifest --mix realistic --samples 20000 --out data.csv
     knapformer calibrate --model mmdit-tiny --output profile.json
     knapformer show plan.json -o plan.png
     knapformer demo                            (what `make demo` runs: simulate on the built-in default)
@@ -60,6 +62,12 @@ COMMANDS = (
         "time the model's blocks and fit a workload profile",
         "knapformer.tools.calibrate_args",
         "knapformer.tools.calibrate",
+    ),
+    Command(
+        "manifest",
+        "write a synthetic dataset manifest (CSV, JSONL or Parquet) for cluster and plan",
+        "knapformer.tools.manifest_args",
+        "knapformer.tools.manifest_args",
     ),
     Command("show", "draw a plan file as a PNG", "knapformer.tools.show", "knapformer.tools.show"),
     Command(

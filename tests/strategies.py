@@ -42,3 +42,23 @@ def problems(draw, max_ranks: int = 12, huge: bool = False):
     layout = draw(layouts(max_ranks))
     lens = draw(seq_lens_for(layout.group_size, huge=huge))
     return layout, lens
+
+
+@st.composite
+def realistic_steps(draw, gpus=(16, 32, 64)):
+    """One sampled step of a synthetic image + video manifest (``knapformer.data.synthetic``,
+    any of its mixes and seeds), tokenized for Flux or Wan and dealt by the token-budget
+    sampler at 65,536 tokens per GPU: ``(per-GPU lengths, tokenizer name, cross-attention
+    context tokens)``."""
+    from knapformer.data.manifest import dealt_steps, manifest_seq_lens
+    from knapformer.data.synthetic import MANIFEST_MIXES, synthetic_manifest
+    from knapformer.data.tokenizers import tokenizer
+
+    S = draw(st.sampled_from(gpus))
+    mix = draw(st.sampled_from(sorted(MANIFEST_MIXES)))
+    tok = tokenizer(draw(st.sampled_from(["flux", "wan"])))
+    seed = draw(st.integers(0, 10_000))
+    m = synthetic_manifest(mix, 48 * S, seed=seed)
+    lens, buckets = manifest_seq_lens(m, tok)
+    (step,) = dealt_steps(lens, buckets, S, max_tokens=65_536, steps=1, seed=seed)
+    return step, tok.name, tok.context_len(m.text_tokens)

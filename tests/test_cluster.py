@@ -221,4 +221,4 @@ def test_cluster_reports_ring_groups(capsys):
     assert row["largest_group"] == 32 and row["rings"] == "4×8"
     assert main([*args[:-5], "--bags", "auto:noring", "--steps", "1", "--quiet", "--json"]) == 0
     row = json.loads(capsys.readouterr().out)["rows"][1]
-    assert row["largest_group"] <= 8 and row["rings"] == ""
+    assert row["largest_group"] <= 24 and row["rings"] == ""  # Ulysses over the 24 heads at most

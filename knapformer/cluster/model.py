@@ -47,7 +47,7 @@ from knapformer.plan.cost import (
 )
 from knapformer.plan.plan import spread_over_groups
 from knapformer.plan.problem import sum_by
-from knapformer.workload import WorkloadModel, layer_flops, transformer_flops
+from knapformer.workload import WorkloadModel
 
 __all__ = ["ModelShape", "StepPrediction", "predict_step", "predict_unbalanced", "a2a_seconds", "expected_max_normal"]
 
@@ -66,9 +66,17 @@ class ModelShape:
     recompute: bool = False
     bytes_per_value: int = 2
     """bf16 activations on the wire."""
+    cost: WorkloadModel | None = None
+    """The model's own cost in FLOPs per layer (the paper's form at γ = 1 with its terms: the
+    linear FLOPs per token of its blocks, cross-attention over ``context_len`` text tokens —
+    Wan): compute is priced from it. None: a standard block (``24·d²`` per token with the
+    GQA share of the k/v projections, ``4·L²·d`` of attention)."""
 
     @classmethod
     def from_config(cls, cfg, *, recompute: bool = False) -> ModelShape:
+        """The shape of a model config; a config with a ``workload(gamma)`` method (the
+        integrated families') gives its cost terms too."""
+        cost = cfg.workload(1.0) if callable(getattr(cfg, "workload", None)) else None
         return cls(
             dim=cfg.dim,
             heads=cfg.num_heads,
@@ -76,10 +84,21 @@ class ModelShape:
             layers=cfg.num_layers,
             causal=getattr(cfg, "causal", False),
             recompute=recompute,
+            cost=cost,
         )
 
     def workload(self) -> WorkloadModel:
-        """The shape as the cost functions read it (width, heads, kv heads, layers)."""
+        """The shape as the cost functions read it (width, heads, kv heads, layers, and the
+        model's own terms): in FLOPs per layer, forward."""
+        if self.cost is not None:
+            return dataclasses.replace(
+                self.cost,
+                gamma=1.0,
+                num_heads=self.heads,
+                num_kv_heads=self.kv_heads,
+                num_layers=self.layers,
+                causal=self.causal,
+            )
         return WorkloadModel(
             d_model=self.dim,
             num_heads=self.heads,
@@ -87,6 +106,13 @@ class ModelShape:
             num_layers=self.layers,
             causal=self.causal,
         )
+
+    def with_context(self, context_len: int) -> ModelShape:
+        """The same model cross-attending to ``context_len`` text tokens per sequence (the
+        manifest's mean; only a model whose cost has a cross-attention term changes)."""
+        if self.cost is None or not self.cost.context_len:
+            return self
+        return dataclasses.replace(self, cost=dataclasses.replace(self.cost, context_len=int(context_len)))
 
     @property
     def kv_ratio(self) -> float:
@@ -160,11 +186,7 @@ def _compute_seconds(f: RankFeatures, shape: ModelShape, hw: Hardware, profile: 
         mode = profile.meta.get("mode", "fwd+bwd")
         scale = shape.passes / (3 if mode == "fwd+bwd" else 1)
         return per_layer * shape.layers * scale
-    flops = (
-        shape.passes
-        * shape.layers
-        * layer_flops(f.tokens, f.attn, shape.dim, causal=shape.causal, kv_ratio=shape.kv_ratio)
-    )
+    flops = shape.passes * shape.layers * f.cost(shape.workload())
     return flops / hw.achievable_flops
 
 
@@ -209,12 +231,7 @@ def predict_step(
         kmax[members] = np.maximum(kmax[members], sizes[b])
     sync = hw.sync_jitter * jitter_factor(kmax) * compute
     lens = plan.index.lengths
-    flops = float(
-        shape.passes
-        * shape.layers
-        * transformer_flops(lens, shape.dim, causal=shape.causal, kv_ratio=shape.kv_ratio).sum()
-    )
-    return StepPrediction(compute, route, ulysses, sync, flops, int(lens.sum()), fixed_s, ring)
+    return StepPrediction(compute, route, ulysses, sync, _model_flops(lens, shape), int(lens.sum()), fixed_s, ring)
 
 
 def _ring_seconds(comm, link, attn_per_layer: np.ndarray) -> np.ndarray:
@@ -268,9 +285,10 @@ def predict_unbalanced(
     if attn_backend == "sdpa_mask":  # one dense masked call over all of a rank's tokens
         feats = dataclasses.replace(feats, attn=feats.tokens**2)
     compute = _compute_seconds(feats, shape, hw, profile) / _speeds(rank_speed, S)
-    flops = float(
-        shape.passes
-        * shape.layers
-        * transformer_flops(lens, shape.dim, causal=shape.causal, kv_ratio=shape.kv_ratio).sum()
-    )
+    flops = _model_flops(lens, shape)
     return StepPrediction(compute, np.zeros(S), np.zeros(S), np.zeros(S), flops, int(lens.sum()), fixed_s)
+
+
+def _model_flops(lens: np.ndarray, shape: ModelShape) -> float:
+    """Hardware FLOPs of a step's sequences (each once, wherever it runs), all layers and passes."""
+    return float(shape.passes * shape.layers * np.asarray(shape.workload().cost(lens)).sum())

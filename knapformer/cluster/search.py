@@ -2,8 +2,9 @@
 
 Candidates: every uniform layout ``g{k}n{N/k}`` and mixed layouts of two or three bag sizes
 sharing the ranks (equal shares, and 3:1 / 1:3 for pairs); bag sizes must divide the head
-count, and no bag may straddle a node boundary unless allowed. ``none`` (plain data parallel)
-is the baseline every speedup is measured against.
+count, and no bag may straddle a node boundary unless allowed. Two baselines: ``none`` (plain
+data parallel) and the best *static* uniform layout a team would configure by hand
+(:func:`best_static`: Ulysses groups inside a node, rings of them beyond).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import dataclasses
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from knapformer.cluster.hardware import Hardware
 from knapformer.cluster.model import ModelShape, predict_step, predict_unbalanced
@@ -20,9 +21,19 @@ from knapformer.config import BalancerConfig
 from knapformer.layout import AutoLayout, BagLayout, parse_layout
 from knapformer.plan import plan_sequences
 from knapformer.plan.solvers.menu import layout_menu
+from knapformer.plan.solvers.uniform import UNIFORM_NODES
 from knapformer.workload import WorkloadModel
 
-__all__ = ["LayoutResult", "bag_sizes_for", "candidate_layouts", "default_config", "evaluate", "search_layouts"]
+__all__ = [
+    "LayoutResult",
+    "bag_sizes_for",
+    "best_static",
+    "candidate_layouts",
+    "default_config",
+    "evaluate",
+    "search_layouts",
+    "static_layouts",
+]
 
 
 @dataclass
@@ -39,6 +50,15 @@ class LayoutResult:
     """The most ranks any sequence ran on, over the sampled steps."""
     rings: str = ""
     """Ring shapes used (``"r×u"`` = ring of r Ulysses sub-groups of u ranks), "" for none."""
+    step_times: list = field(default_factory=list)
+    """Predicted seconds of each sampled step."""
+    max_tokens: int = 0
+    """Memory: the most tokens any rank holds in any sampled step (routed; with ``none`` the
+    tokens it loads; gathered K/V of the ``pre_attn`` path counted as tokens)."""
+    over_cap: bool | None = None
+    """Whether ``max_tokens`` exceeds the balancer's ``max_tokens_per_rank`` (None: no cap)."""
+    speedup_static: float | None = None
+    """The best static layout's mean step time over this one's (None when not compared)."""
 
     def row(self) -> dict:
         return dict(self.__dict__)
@@ -94,7 +114,8 @@ def evaluate(
     if isinstance(balancer, str) and balancer != "none":
         balancer = default_config(shape, balancer, profile)
     if isinstance(balancer, BalancerConfig):
-        bad = [k for k, _ in getattr(balancer.layout, "terms", ()) if shape.heads % k]
+        # inside a node a bag runs Ulysses over the heads; beyond one, a ring of Ulysses sub-groups
+        bad = [k for k, _ in getattr(balancer.layout, "terms", ()) if shape.heads % k and k <= hw.gpus_per_node]
         if bad:
             raise ValueError(f"bag size {bad[0]} does not divide the model's {shape.heads} heads")
         rank_speed, attn_backend = balancer.rank_speed, balancer.attn_backend
@@ -104,7 +125,7 @@ def evaluate(
     else:
         raise ValueError(f"balancer must be a BalancerConfig or 'none', got {balancer!r}")
     preds, plan_ms = [], []
-    largest, rings = 1, set()
+    largest, rings, tokens = 1, set(), 0
     for lens in _bar(steps, f"{name}: steps", progress):
         if not isinstance(balancer, BalancerConfig):
             preds.append(
@@ -113,6 +134,7 @@ def evaluate(
                 )
             )
             plan_ms.append(0.0)
+            tokens = max([tokens] + [sum(r) for r in lens])
             continue
         t = time.perf_counter()
         plan = plan_sequences(
@@ -127,6 +149,8 @@ def evaluate(
             time_budget_s=balancer.time_budget_s,
         )
         plan_ms.append(1e3 * (time.perf_counter() - t))
+        held = plan.memory_per_rank()
+        tokens = max(tokens, int(held.max()) if held.size else 0)
         used = set(plan.seq_group.tolist())
         largest = max([largest] + [len(plan.groups[b]) for b in used])
         rings |= {(int(plan.rings[b]), len(plan.groups[b]) // int(plan.rings[b])) for b in used if plan.rings[b] > 1}
@@ -147,14 +171,53 @@ def evaluate(
         plan_ms=statistics.mean(plan_ms),
         largest_group=largest,
         rings=", ".join(f"{r}×{u}" for r, u in sorted(rings)),
+        step_times=[p.step_s for p in preds],
+        max_tokens=tokens,
     )
 
 
 def default_config(shape: ModelShape, layout: str, profile: WorkloadModel | None = None) -> BalancerConfig:
     """The balancer the cluster model assumes when none is given: plans with ``profile`` when
-    there is one, else the paper form with γ=1."""
-    cost = profile or WorkloadModel(d_model=shape.dim, causal=shape.causal)
-    return BalancerConfig(layout=layout, cost=cost)
+    there is one, else the model's own FLOP form (γ = 1)."""
+    return BalancerConfig(layout=layout, cost=profile or shape.workload())
+
+
+def static_layouts(num_gpus: int, shape: ModelShape, gpus_per_node: int) -> list[str]:
+    """The uniform layouts a team configures by hand (``g{k}n{N/k}``): every rank in k-rank
+    Ulysses groups for each k inside a node that divides the heads (and the kv heads, or is a
+    multiple of them) and the GPUs, then rings of the widest such group over 2, 4, 8, … of
+    them that span whole nodes, up to 8 nodes (``knapformer.plan.solvers.uniform.UNIFORM_NODES``,
+    the widest ``auto`` tries too), dividing the GPUs."""
+    h, h_kv = shape.heads, shape.kv_heads or shape.heads
+    inside = [
+        k
+        for k in range(1, min(gpus_per_node, num_gpus) + 1)
+        if gpus_per_node % k == 0 and num_gpus % k == 0 and h % k == 0 and (h_kv % k == 0 or k % h_kv == 0)
+    ]
+    out = [f"g{k}n{num_gpus // k}" for k in inside]
+    k = max(inside) * 2
+    while k <= min(num_gpus, UNIFORM_NODES * gpus_per_node):
+        if k > gpus_per_node and k % gpus_per_node == 0 and num_gpus % k == 0:
+            out.append(f"g{k}n{num_gpus // k}")
+        k *= 2
+    return out
+
+
+def best_static(
+    steps, shape: ModelShape, hw: Hardware, balancer: BalancerConfig, **kw
+) -> tuple[LayoutResult | None, list[LayoutResult]]:
+    """(the uniform static layout with the best mean step time, all of them): each of
+    :func:`static_layouts` planned by ``balancer``'s settings without its memory cap (a team's
+    static layout either fits or does not: ``over_cap`` says which)."""
+    cap = balancer.max_tokens_per_rank
+    results = []
+    for spec in static_layouts(len(steps[0]), shape, hw.gpus_per_node):
+        cfg = dataclasses.replace(balancer, layout=spec, max_tokens_per_rank=None, solver=None, time_budget_s=None)
+        r = evaluate(steps, cfg, shape, hw, **kw)
+        r.over_cap = None if cap is None else r.max_tokens > cap
+        results.append(r)
+    results.sort(key=lambda r: (r.step_s, r.bags))
+    return (results[0] if results else None), results
 
 
 def search_layouts(

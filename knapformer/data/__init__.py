@@ -1,8 +1,9 @@
-"""Data: the paper's mixes and synthetic batches from data codes, and a token-budget batch
-sampler with a packed collate for real datasets.
+"""Data: the paper's mixes and synthetic batches from data codes, a token-budget batch sampler
+with a packed collate for real datasets, and dataset manifests turned into sequence lengths.
 
 Main API: :data:`MIXES`, :func:`sample_seq_lens`, :func:`sample_batches`, :func:`parse_codes`,
-:class:`TokenBudgetBatchSampler` (numpy only); :class:`PackedCollate` and
+:class:`TokenBudgetBatchSampler`, :func:`read_manifest`, :data:`TOKENIZERS`,
+:func:`synthetic_manifest` (numpy only); :class:`PackedCollate` and
 :func:`knapformer.data.batches.make_batch` build torch tensors (imported on use).
 """
 
@@ -17,22 +18,36 @@ from knapformer.data.codes import (
     sample_batches,
     sample_seq_lens,
 )
+from knapformer.data.manifest import Manifest, dealt_steps, manifest_seq_lens, read_manifest, write_manifest
 from knapformer.data.sampler import TokenBudgetBatchSampler, pack_batches
+from knapformer.data.synthetic import MANIFEST_MIXES, synthetic_manifest
+from knapformer.data.tokenizers import TOKENIZERS, Tokenizer, tokenizer, tokenizer_for_model
 
 if TYPE_CHECKING:  # for type checkers and the API reference; needs torch, imported on use
     from knapformer.data.collate import PackedCollate
 
 __all__ = [
+    "MANIFEST_MIXES",
     "MIXES",
+    "TOKENIZERS",
     "DataCode",
+    "Manifest",
     "PackedCollate",
     "TokenBudgetBatchSampler",
+    "Tokenizer",
+    "dealt_steps",
+    "manifest_seq_lens",
     "mix_num_ranks",
     "pack_batches",
     "parse_codes",
+    "read_manifest",
     "resolve_mix",
     "sample_batches",
     "sample_seq_lens",
+    "synthetic_manifest",
+    "tokenizer",
+    "tokenizer_for_model",
+    "write_manifest",
 ]
 
 

@@ -15,6 +15,7 @@ import torch
 
 from knapformer.data.batches import Batch
 from knapformer.executor import LocalExecutor, TokenExecutor
+from knapformer.integrations.configs import FluxSizes
 
 __all__ = [
     "BatchSample",
@@ -65,29 +66,6 @@ class PackedOutput(list):
         out = cls(parts)
         out.flat = flat
         return out
-
-
-class FluxSizes:
-    """The sizes the tools read from a Flux-style preset config (a dataclass with
-    ``num_heads``, ``head_dim``, ``num_double``, ``num_single`` and ``in_dim``)."""
-
-    num_heads: int
-    head_dim: int
-    num_double: int
-    num_single: int
-    in_dim: int
-
-    @property
-    def dim(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def num_layers(self) -> int:
-        return self.num_double + self.num_single
-
-    @property
-    def out_dim(self) -> int:
-        return self.in_dim
 
 
 def grid_ids(n: int, axes: int = 3, dtype: torch.dtype = torch.float64) -> torch.Tensor:

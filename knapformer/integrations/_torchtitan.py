@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from dataclasses import dataclass
 
-from knapformer.integrations._diffusers import FluxSizes
+from knapformer.integrations.configs import TitanFluxConfig
 
 __all__ = ["TESTED", "TitanFluxConfig", "build_titan_flux", "require_torchtitan"]
 
@@ -33,25 +32,6 @@ def require_torchtitan():
             f"torchtitan {version} is not supported (tested: {TESTED}.x): pip install 'knapformer[torchtitan]'"
         )
     return flux
-
-
-@dataclass(frozen=True, kw_only=True)
-class TitanFluxConfig(FluxSizes):
-    """A randomly initialised torchtitan ``FluxModel`` (no download) built with torchtitan's own
-    block configs; the defaults are the ``torchtitan-flux-tiny`` preset."""
-
-    num_heads: int = 4
-    head_dim: int = 16
-    num_double: int = 2
-    num_single: int = 2
-    in_dim: int = 16
-    """Latent channels of a packed patch (``in_channels`` = ``out_channels``)."""
-    text_dim: int = 32
-    """``context_in_dim`` (T5 width)."""
-    vec_dim: int = 24
-    """``vec_in_dim`` (CLIP pooled width)."""
-    axes_dim: tuple[int, int, int] = (4, 6, 6)
-    mlp_ratio: float = 4.0
 
 
 def build_titan_flux(cfg: TitanFluxConfig):

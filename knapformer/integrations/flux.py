@@ -45,7 +45,6 @@ import torch
 
 from knapformer.executor import TokenExecutor, local_positions
 from knapformer.integrations._diffusers import (
-    FluxSizes,
     PackedOutput,
     batch_samples,
     call_block,
@@ -57,6 +56,7 @@ from knapformer.integrations._diffusers import (
     stack_scalars,
     visual_targets,
 )
+from knapformer.integrations.configs import FLUX_PRESETS, DiffusersFluxConfig
 from knapformer.integrations.family import ModelFamily, StepInputs
 from knapformer.models.layers import merge_streams, split_streams
 
@@ -74,24 +74,6 @@ __all__ = [
     "require_diffusers",
     "samples_from_batch",
 ]
-
-
-@dataclass(frozen=True, kw_only=True)
-class DiffusersFluxConfig(FluxSizes):
-    """A randomly initialised diffusers ``FluxTransformer2DModel`` (no download); the defaults
-    are the ``diffusers-flux-tiny`` preset."""
-
-    num_heads: int = 4
-    head_dim: int = 32
-    num_double: int = 2
-    num_single: int = 2
-    in_dim: int = 16
-    """Latent channels (``in_channels``)."""
-    text_dim: int = 32
-    """``joint_attention_dim``."""
-    vec_dim: int = 32
-    """``pooled_projection_dim``."""
-    axes_dims_rope: tuple[int, int, int] = (8, 12, 12)
 
 
 @dataclass
@@ -359,7 +341,7 @@ class FluxFamily(ModelFamily):
     """Stock diffusers ``FluxTransformer2DModel`` for the tools (preset ``diffusers-flux-tiny``)."""
 
     name = "diffusers-flux"
-    presets = {"tiny": DiffusersFluxConfig}
+    presets = FLUX_PRESETS
 
     def build(self):
         return build_flux(self.config)

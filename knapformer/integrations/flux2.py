@@ -40,7 +40,6 @@ import torch
 
 from knapformer.executor import LocalExecutor, TokenExecutor, local_positions
 from knapformer.integrations._diffusers import (
-    FluxSizes,
     PackedOutput,
     batch_samples,
     call_block,
@@ -51,6 +50,7 @@ from knapformer.integrations._diffusers import (
     stack_scalars,
     visual_targets,
 )
+from knapformer.integrations.configs import FLUX2_PRESETS, DiffusersFlux2Config
 from knapformer.integrations.family import ModelFamily, StepInputs, block_runner
 from knapformer.models.layers import merge_streams, split_streams
 
@@ -67,23 +67,6 @@ __all__ = [
     "prepare_flux2",
     "samples_from_batch",
 ]
-
-
-@dataclass(frozen=True, kw_only=True)
-class DiffusersFlux2Config(FluxSizes):
-    """A randomly initialised diffusers ``Flux2Transformer2DModel`` (no download); the defaults
-    are the ``diffusers-flux2-tiny`` preset."""
-
-    num_heads: int = 4
-    head_dim: int = 16
-    num_double: int = 1
-    num_single: int = 2
-    in_dim: int = 16
-    """Latent channels (``in_channels``)."""
-    text_dim: int = 32
-    """``joint_attention_dim``."""
-    axes_dims_rope: tuple[int, ...] = (4, 4, 4, 4)
-    guidance: bool = False
 
 
 @dataclass
@@ -359,7 +342,7 @@ class Flux2Family(ModelFamily):
     """Stock diffusers ``Flux2Transformer2DModel`` for the tools (preset ``diffusers-flux2-tiny``)."""
 
     name = "diffusers-flux2"
-    presets = {"tiny": DiffusersFlux2Config}
+    presets = FLUX2_PRESETS
 
     def build(self):
         return build_flux2(self.config)

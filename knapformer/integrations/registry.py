@@ -22,7 +22,7 @@ from knapformer.model_configs import PRESETS as REFERENCE_PRESETS
 if TYPE_CHECKING:
     from knapformer.integrations.family import ModelFamily
 
-__all__ = ["FAMILIES", "family_class", "model_config", "preset_names", "resolve_model"]
+__all__ = ["CONFIGS", "FAMILIES", "family_class", "family_sizes", "model_config", "preset_names", "resolve_model"]
 
 FAMILIES: dict[str, str] = {
     "reference": "knapformer.integrations.reference:ReferenceFamily",
@@ -34,6 +34,16 @@ FAMILIES: dict[str, str] = {
     "torchtitan-flux": "knapformer.integrations.torchtitan_flux:TitanFluxFamily",
 }
 """Family name -> ``module:class`` of its adapter (imported when the family is asked for)."""
+
+CONFIGS: dict[str, str] = {
+    "diffusers-flux": "knapformer.integrations.configs:FLUX_PRESETS",
+    "diffusers-flux2": "knapformer.integrations.configs:FLUX2_PRESETS",
+    "diffusers-wan": "knapformer.integrations.configs:WAN_PRESETS",
+    "torchtitan-flux": "knapformer.integrations.configs:TITAN_FLUX_PRESETS",
+}
+"""Optional, per family: ``module:name`` of a torch-free table of its sizes (the adapter's
+``presets``), so that :func:`model_config` and :func:`family_sizes` need not import torch or
+the model's library. A family without an entry is read from its adapter (importing it)."""
 
 
 def _load(target: str, what: str) -> Any:
@@ -82,10 +92,28 @@ def resolve_model(spec: str) -> ModelFamily:
     raise ValueError(f"unknown model preset {spec!r}; choose one of {preset_names()} or a 'module:callable' factory")
 
 
+def family_sizes(name: str) -> dict[str, Any]:
+    """The size table (size name -> config factory) of the family registered as ``name``:
+    torch-free where :data:`CONFIGS` names one, else the adapter's ``presets``."""
+    if name == "reference":
+        return {size: (lambda cfg=cfg: cfg) for size, cfg in REFERENCE_PRESETS.items()}
+    if name in CONFIGS:
+        return _load(CONFIGS[name], "size table")
+    return family_class(name).presets
+
+
 def model_config(spec: str) -> Any:
-    """The config of a ``--model`` value (torch-free for the reference presets)."""
+    """The config of a ``--model`` value: torch-free for the reference presets and the families
+    with a size table in :data:`CONFIGS`; a factory or another family's preset through its
+    adapter."""
     if spec in REFERENCE_PRESETS:
         return REFERENCE_PRESETS[spec]
+    if isinstance(spec, str) and ":" not in spec:
+        for name in sorted(CONFIGS, key=len, reverse=True):
+            if spec.startswith(name + "-"):
+                table, size = family_sizes(name), spec[len(name) + 1 :]
+                if size in table:
+                    return table[size]()
     return resolve_model(spec).config
 
 
@@ -95,7 +123,7 @@ def preset_names() -> list[str]:
     for name in FAMILIES:
         if name != "reference":
             try:
-                names += [f"{name}-{size}" for size in family_class(name).presets]
+                names += [f"{name}-{size}" for size in family_sizes(name)]
             except ValueError:  # a family whose module cannot be imported here
                 continue
     return sorted(names)

@@ -61,6 +61,7 @@ from knapformer.integrations._diffusers import (
     visual_targets,
 )
 from knapformer.integrations._torchtitan import TitanFluxConfig, build_titan_flux, require_torchtitan
+from knapformer.integrations.configs import TITAN_FLUX_PRESETS
 from knapformer.integrations.family import ModelFamily, StepInputs
 from knapformer.models.layers import merge_streams, split_streams
 
@@ -414,7 +415,7 @@ class TitanFluxFamily(ModelFamily):
     """torchtitan's ``FluxModel`` for the tools (preset ``torchtitan-flux-tiny``)."""
 
     name = "torchtitan-flux"
-    presets = {"tiny": TitanFluxConfig}
+    presets = TITAN_FLUX_PRESETS
 
     def build(self):
         return build_titan_flux(self.config)

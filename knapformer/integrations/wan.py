@@ -60,6 +60,7 @@ from knapformer.integrations._diffusers import (
     raise_sample_problem,
     require_diffusers,
 )
+from knapformer.integrations.configs import WAN_PRESETS, DiffusersWanConfig, wan_cost
 from knapformer.integrations.family import ModelFamily, StepInputs, block_runner
 from knapformer.integrations.wan_attention import CrossPacked, PackedWanAttnProcessor, SelfPacked, rope_tables
 from knapformer.workload import WorkloadModel
@@ -78,45 +79,6 @@ __all__ = [
     "wan_seq_lens",
     "wan_workload",
 ]
-
-
-@dataclass(frozen=True, kw_only=True)
-class DiffusersWanConfig:
-    """A randomly initialised diffusers ``WanTransformer3DModel`` (no download); the defaults
-    are the ``diffusers-wan-tiny`` preset (T2V; ``image_dim`` set = I2V)."""
-
-    num_heads: int = 4
-    head_dim: int = 16
-    num_layers: int = 2
-    in_channels: int = 4
-    out_channels: int = 4
-    patch_size: tuple[int, int, int] = (1, 2, 2)
-    text_dim: int = 32
-    freq_dim: int = 32
-    ffn_dim: int = 128
-    image_dim: int | None = None
-    context_len: int = 32
-    """Typical text tokens per sample, for the planner's cross-attention term."""
-
-    @property
-    def dim(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def in_dim(self) -> int:
-        """Features of one video token before the patch embedding (C·p_t·p_h·p_w)."""
-        return self.in_channels * math.prod(self.patch_size)
-
-    @property
-    def out_dim(self) -> int:
-        return self.out_channels * math.prod(self.patch_size)
-
-    @property
-    def vec_dim(self) -> int:
-        return 1
-
-    def workload(self, gamma: float = 1.0) -> WorkloadModel:
-        return _workload(self.dim, self.ffn_dim, self.num_layers, self.num_heads, self.context_len, gamma)
 
 
 @dataclass
@@ -138,26 +100,13 @@ class PackedWanOutput(PackedOutput):
     :class:`~knapformer.integrations._diffusers.PackedOutput`."""
 
 
-def _workload(d: int, ffn: int, layers: int, heads: int, context_len: int, gamma: float) -> WorkloadModel:
-    """Per token and layer: self-attention q/k/v/o (4·d²), cross-attention q/o (2·d²) and the
-    FFN (2·d·ffn) multiply-adds, 2 FLOPs each; cross-attention over ``context_len`` tokens."""
-    return WorkloadModel(
-        d_model=d,
-        gamma=gamma,
-        num_layers=layers,
-        num_heads=heads,
-        linear=2.0 * (6.0 * d * d + 2.0 * d * ffn),
-        context_len=context_len,
-    )
-
-
 def wan_workload(model, *, context_len: int = 512, gamma: float = 1.0) -> WorkloadModel:
     """The planner's cost model of a ``WanTransformer3DModel`` (its width, FFN, layers and
     heads from ``model.config``); ``context_len`` = text (+ image) tokens per sample (stock Wan
     pads text to 512; I2V adds 257 image tokens)."""
     c = model.config
     d = c.num_attention_heads * c.attention_head_dim
-    return _workload(d, c.ffn_dim, c.num_layers, c.num_attention_heads, context_len, gamma)
+    return wan_cost(d, c.ffn_dim, c.num_layers, c.num_attention_heads, context_len, gamma)
 
 
 def build_wan(cfg: DiffusersWanConfig):
@@ -391,7 +340,7 @@ class WanFamily(ModelFamily):
     """Stock diffusers ``WanTransformer3DModel`` for the tools (preset ``diffusers-wan-tiny``)."""
 
     name = "diffusers-wan"
-    presets = {"tiny": DiffusersWanConfig}
+    presets = WAN_PRESETS
 
     def build(self):
         return build_wan(self.config)

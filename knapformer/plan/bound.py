@@ -13,10 +13,11 @@ from typing import Protocol
 
 import numpy as np
 
-from knapformer.plan.cost import LinkModel, member_comm_lower
+from knapformer.plan.cost import LinkModel, jitter_factor
+from knapformer.plan.member_comm import member_comm_lower, split_total_lower
 from knapformer.workload import WorkloadModel
 
-__all__ = ["BoundInput", "moldable_lower_bound"]
+__all__ = ["BoundInput", "moldable_lower_bound", "moldable_lower_bounds", "size_costs"]
 
 
 class BoundInput(Protocol):
@@ -38,11 +39,19 @@ class BoundInput(Protocol):
     def ring_of(self, k: int) -> int: ...
 
 
-def moldable_lower_bound(problem: BoundInput, degrees) -> float:
-    """A makespan no plan with groups of the given sizes can beat (size 1 is always counted).
+def moldable_lower_bound(problem: BoundInput, degrees, *, jitter: bool = True) -> float:
+    """A makespan no plan with groups of the given sizes can beat (size 1 is always counted);
+    ``jitter=False`` leaves the sync jitter out (a lower figure; :func:`size_costs`).
+    :func:`moldable_lower_bounds` gives both in one pass."""
+    return moldable_lower_bounds(problem, degrees)[0 if jitter else 1]
+
+
+def moldable_lower_bounds(problem: BoundInput, degrees) -> tuple[float, float]:
+    """(the bound, the bound without sync jitter) of :func:`moldable_lower_bound`, sharing the
+    pricing (the exchanges dominate its cost).
 
     Per sequence and size k, its busiest member's cost and its members' total work, both
-    with the least communication a k-group must pay (:func:`~knapformer.plan.cost.member_comm_lower`).
+    with the least communication a k-group must pay (:func:`~knapformer.plan.member_comm.member_comm_lower`).
     A makespan T is reachable only if every sequence has a size whose busiest member fits in
     T and the least total work over such sizes, summed, fits in what the ranks do in T (the
     allotment bound of moldable scheduling); the bound is the least such T (bisection, rounded
@@ -56,7 +65,7 @@ def moldable_lower_bound(problem: BoundInput, degrees) -> float:
 
     The bound then costs O(n) for long-tailed inputs with thousands of ranks."""
     if problem.num_seqs == 0:
-        return 0.0
+        return 0.0, 0.0
     L = problem.lengths
     link = problem.link
     fastest = float(problem.speed.max())
@@ -65,19 +74,32 @@ def moldable_lower_bound(problem: BoundInput, degrees) -> float:
     fluid = float(work.sum() / capacity)
     long = np.flatnonzero(work / fastest > fluid)
     if long.size == 0:
-        return fluid
+        return fluid, fluid
     sizes = sorted(set(int(k) for k in degrees) | {1})
     node = link.gpus_per_node if link is not None else max(sizes)
     narrow = [k for k in sizes if k <= node]
-    per_n, total_n = _size_costs(problem, narrow, L[long], fastest)
-    wide_sel = (per_n.min(axis=0) > fluid) & (len(narrow) < len(sizes))
+    wide = [k for k in sizes if k > node]
+    parts_n = _size_parts(problem, narrow, L[long], fastest)
+    # (chosen on the lower, jitter-free figures: a relaxation for both bounds)
+    wide_sel = (_combine(parts_n, False)[0].min(axis=0) > fluid) & (len(narrow) < len(sizes))
     wide_cols = np.flatnonzero(wide_sel)
-    per_w, total_w = _size_costs(problem, [k for k in sizes if k > node], L[long[wide_cols]], fastest)
-    beyond = np.full(long.size, np.inf)
-    if len(narrow) < len(sizes) and not wide_sel.all():
-        rest_cols = np.flatnonzero(~wide_sel)
-        beyond[rest_cols] = _size_costs(problem, [k for k in sizes if k > node], L[long[rest_cols]], 1.0)[1].min(axis=0)
+    parts_w = _size_parts(problem, wide, L[long[wide_cols]], fastest)
+    rest_cols = np.flatnonzero(~wide_sel) if wide and not wide_sel.all() else None
+    parts_b = _size_parts(problem, wide, L[long[rest_cols]], 1.0) if rest_cols is not None else None
     rest = float(work.sum() - work[long].sum())  # the others at one rank each, their cheapest
+    out = []
+    for jit in (True, False):
+        per_n, total_n = _combine(parts_n, jit)
+        per_w, total_w = _combine(parts_w, jit)
+        beyond = np.full(long.size, np.inf)
+        if parts_b is not None:
+            beyond[rest_cols] = _combine(parts_b, jit)[1].min(axis=0)
+        out.append(_bisect(per_n, total_n, per_w, total_w, wide_cols, beyond, rest, fluid, capacity))
+    return out[0], out[1]
+
+
+def _bisect(per_n, total_n, per_w, total_w, wide_cols, beyond, rest: float, fluid: float, capacity: float) -> float:
+    """The least reachable makespan (:func:`moldable_lower_bounds`), bisected."""
 
     def reachable(t: float) -> bool:
         least = np.minimum(np.where(per_n <= t, total_n, np.inf).min(axis=0), beyond)
@@ -98,33 +120,58 @@ def moldable_lower_bound(problem: BoundInput, degrees) -> float:
     return lo
 
 
-def _size_costs(problem: BoundInput, sizes, L: np.ndarray, fastest: float) -> tuple[np.ndarray, np.ndarray]:
+def size_costs(
+    problem: BoundInput, sizes, L: np.ndarray, fastest: float, *, jitter: bool = True, exposed: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
     """(busiest member's time, members' total work), each (len(sizes), len(L)), with the least
     communication of each size; every size in one broadcast.
 
     A member's time is its compute over its speed plus its exchanges (which no speed
     shortens), so: time ≥ chunk / fastest + comm; and Σ speed·time ≥ all compute + slowest
     speed × all comm — the total counts communication at the slowest speed (ranks slower than
-    1 otherwise made it no bound).
+    1 otherwise made it no bound). Every member of a k-rank group (k ≥ 2) waits at its
+    exchanges: the cost model charges all its compute ``1 + sync_jitter · jitter_factor(k')``
+    times for the largest group k' ≥ k it is in, so the compute here counts at least the
+    k-group's factor (``jitter=False``: 1, a lower figure). The total also counts what the
+    members pay together beyond that: the exchanges' local copies and the route a split
+    sequence needs (:func:`~knapformer.plan.member_comm.split_total_lower`).
 
     Caveat, rings: the ring exchanges are priced per sequence, as the planner prices them
-    (:func:`~knapformer.plan.cost.member_comm_lower`: what its own attention does not hide at
+    (:func:`~knapformer.plan.member_comm.member_comm_lower`: what its own attention does not hide at
     its own ring size). A rank holding several ring sequences, or a plan whose largest ring is
     longer (more of each round hidden), can expose less than that sum, so on such steps the
     figure is the cost model's ring-priced bound rather than a proof; fuzzing
     (``tests/test_planner_scale.py``) found no plan below it. Leaving the ring part out (a
     proof) was tried: the planner aims at multiples of the bound, so its picks moved too
-    (giant mix, 256 ranks: 1.076 → 1.104 of that weaker bound on two of three steps)."""
+    (giant mix, 256 ranks: 1.076 → 1.104 of that weaker bound on two of three steps).
+    ``exposed=False`` leaves the ring exchanges out: a proof (the uniform layouts' pruning
+    uses it for ring sizes: a 16-rank uniform ring plan came 2% under the ring-priced figure)."""
+    return _combine(_size_parts(problem, sizes, L, fastest, exposed=exposed), jitter)
+
+
+def _size_parts(problem: BoundInput, sizes, L: np.ndarray, fastest: float, *, exposed: bool = True):
+    """(compute of the busiest member / fastest, its least exchanges, all members' compute, all
+    members' exchanges × slowest speed, the k-group's sync wait factor): :func:`size_costs`'s
+    terms, each (len(sizes), len(L)) or broadcastable."""
     model, link = problem.model, problem.link
     shape = (len(sizes), L.size)
     if not sizes:
-        return np.zeros(shape), np.zeros(shape)
+        z = np.zeros(shape)
+        return z, z, z, z, 1.0
     k = np.asarray(sizes, dtype=np.int64)[:, None]
-    slowest = float(problem.speed.min())
-    comm = 0.0
+    comm, extra, wait = 0.0, 0.0, 1.0
     if link is not None:
         ring = np.asarray([problem.ring_of(int(v)) for v in sizes], dtype=np.int64)[:, None]
-        comm = member_comm_lower(L[None, :], k, model, link, ring=ring, gather=problem.kv_gather)
-    per = np.broadcast_to(model.chunk_cost(-(-L // k), L, k) / fastest + comm, shape)
-    total = np.broadcast_to(model.cost(L) + (k - 1) * model.per_seq_coef + k * comm * slowest, shape)
-    return per, total
+        comm = member_comm_lower(L[None, :], k, model, link, ring=ring, gather=problem.kv_gather, exposed=exposed)
+        extra = split_total_lower(L[None, :], k, model, link, ring=ring)
+        wait = 1.0 + link.sync_jitter * jitter_factor(k)  # every member of a k-group waits this
+    chunk = model.chunk_cost(-(-L // k), L, k) / fastest
+    work = model.cost(L) + (k - 1) * model.per_seq_coef
+    return chunk, comm, work, (k * comm + extra) * float(problem.speed.min()), wait
+
+
+def _combine(parts, jitter: bool) -> tuple[np.ndarray, np.ndarray]:
+    chunk, comm, work, all_comm, wait = parts
+    w = wait if jitter else 1.0
+    shape = np.broadcast_shapes(np.shape(chunk), np.shape(comm), np.shape(work))
+    return np.broadcast_to(chunk * w + comm, shape), np.broadcast_to(work * w + all_comm, shape)

@@ -4,10 +4,19 @@
     knapformer cluster --mix paper-mixres --gpus 256 --model flux --hardware h200 --bags auto
     knapformer cluster --mix paper-mixres --gpus 256 --model flux --hardware h200 --bags search
     knapformer cluster --input lens.json --gpus 8 --model flux --hardware a100 --bags g2n4 --json
+    knapformer cluster --manifest data.csv --gpus 512 --model diffusers-wan-14b --bags auto
 
 ``--bags auto`` plans every sampled step with the moldable planner (each sequence's group
 chosen per step, communication priced by this hardware's links); ``--bags search`` plans each
 uniform and mixed bag layout and keeps the best one for all steps (a static choice).
+
+Every report compares against two baselines: ``none`` (plain data parallel) and the best
+*static* uniform layout (every rank in k-rank Ulysses groups, rings of them beyond a node:
+what a team configures by hand), with each one's memory (the most tokens a rank holds) and,
+under ``--max-tokens``, whether it fits. ``--manifest`` describes the data itself: per-sample
+pixels, frames, fps and text (or token counts), turned into tokens by the model family's
+tokenizer and dealt over the GPUs by the token-budget sampler
+(:mod:`knapformer.tools.manifest_args`).
 
 Torch-free: the plan and the comm model are numpy. ``--profile`` is the planner's cost model,
 as in every subcommand; ``--compute-profile`` makes the predicted compute seconds come from a
@@ -23,6 +32,7 @@ import json
 import sys
 
 from knapformer.cluster import ModelShape, evaluate, hardware, search_layouts
+from knapformer.cluster.search import best_static
 from knapformer.config import BalancerConfig
 from knapformer.data import sample_seq_lens
 from knapformer.data.codes import mix_num_ranks, resolve_mix
@@ -39,6 +49,7 @@ from knapformer.tools.cli_support import (
     positive_int,
     run_tool,
 )
+from knapformer.tools.manifest_args import add_manifest_args, manifest_steps
 from knapformer.tools.plots import plot_layouts
 from knapformer.workload import WorkloadModel
 
@@ -52,8 +63,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--mix", help="mix name or data codes (tiled to --gpus)")
     src.add_argument("--input", help='JSON {"seq_lens": [[...], ...]} with one list per GPU (one step)')
+    src.add_argument(
+        "--manifest",
+        help="dataset manifest (.csv, .jsonl, .parquet): per-sample width, height, frames, fps, text_tokens, or tokens",
+    )
     p.add_argument("--gpus", type=positive_int, required=True, help="number of GPUs")
-    p.add_argument("--model", required=True, help="model preset (flux, mmdit-small, ...)")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="model preset: flux, mmdit-small, ..., or a family's size (diffusers-flux-dev, diffusers-flux2-dev, "
+        "diffusers-wan-1.3b, diffusers-wan-14b, torchtitan-flux-dev, ...)",
+    )
     p.add_argument("--hardware", default="h100", help="h100, h200, a100, cpu-gloo")
     p.add_argument(
         "--compute-profile",
@@ -80,6 +100,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--fixed-s", type=nonneg_float, default=0.0, help="per-step seconds outside the blocks (optimizer, FSDP)"
     )
     p.add_argument("--allow-cross-node", action="store_true", help="the layout search may use bags spanning nodes")
+    p.add_argument("--no-static", action="store_true", help="leave out the best static uniform layout baseline")
+    add_manifest_args(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--plot", metavar="FILE", default=None, help="write a PNG of the layouts' step times and HFU")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -106,24 +128,20 @@ def _steps(args) -> list:
 
 
 def _balancer(args, shape: ModelShape, hw, compute_profile: WorkloadModel | None, layout: str) -> BalancerConfig:
+    in_seconds = True  # a calibrated profile's units are seconds; the FLOP form's forward FLOPs
     if args.profile is None and args.gamma is None and compute_profile is not None:
         cost = compute_profile
-    else:
-        if args.gamma is None:
-            args.gamma = 1.0
+    elif args.profile is not None:
         cost = cost_model_from_args(args, d_model=shape.dim, causal=shape.causal, num_layers=shape.layers)
+    else:  # the model's own FLOP form (its FFN, cross-attention) at γ
+        cost = dataclasses.replace(shape.workload(), gamma=1.0 if args.gamma is None else args.gamma)
+        in_seconds = False
     if cost.num_heads is None:  # the degrees auto may choose follow the model's heads
         cost = dataclasses.replace(cost, num_heads=shape.heads, num_kv_heads=shape.kv_heads)
-    in_seconds = cost.linear is not None  # a calibrated profile (seconds) or the paper's FLOP form
     link = hw.link(shape, units_per_second=1.0 if in_seconds else hw.flop_units_per_second)
     if args.rank_speed is not None and len(args.rank_speed) != args.gpus:
         raise CliError(f"--rank-speed has {len(args.rank_speed)} entries for --gpus {args.gpus}")
-    return BalancerConfig(
-        layout=layout,
-        cost=cost,
-        link=link if layout == "auto" else None,
-        **balancer_settings(args),
-    )
+    return BalancerConfig(layout=layout, cost=cost, link=link, **balancer_settings(args))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -143,7 +161,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--compute-profile d_model {compute_profile.d_model} does not match model {args.model!r} (dim {shape.dim})"
         )
-    steps = _steps(args)
+    source = manifest_steps(args, args.model, args.gpus, args.steps) if args.manifest else None
+    steps = source.steps if source is not None else _steps(args)
+    if source is not None:  # cross-attention over the manifest's typical text
+        shape = shape.with_context(source.context_len)
     search = args.bags in SEARCH
     # the layout of the config is a placeholder while searching (each candidate replaces it)
     layout = f"g1n{args.gpus}" if search or args.bags == "none" else args.bags
@@ -154,42 +175,66 @@ def run(args: argparse.Namespace) -> int:
     else:
         base = evaluate(steps, "none", shape, hw, rank_speed=cfg.rank_speed, attn_backend=cfg.attn_backend, **kw)
         results = [] if args.bags == "none" else [evaluate(steps, cfg, shape, hw, **kw)]
-        for r in results:
-            r.speedup = base.step_s / r.step_s
         best = results[0] if results else base
+    cap = cfg.max_tokens_per_rank
+    base.over_cap = None if cap is None else base.max_tokens > cap
+    static, _ = (None, []) if args.no_static else best_static(steps, shape, hw, cfg, **kw)
+    for r in [*results, *([static] if static is not None else [])]:
+        r.speedup = base.step_s / r.step_s
+        if static is not None:
+            r.speedup_static = static.step_s / r.step_s
+        if r.over_cap is None and cap is not None:
+            r.over_cap = r.max_tokens > cap
     rows = [base.row()] + [r.row() for r in results]
     if args.plot:
         what = f"{args.model} on {args.gpus} x {hw.name} ({hw.gpus_per_node}/node), {len(steps)} sampled step(s)"
         plot_layouts(args.plot, rows, title=what, best=best.bags)
     if args.json:
-        print(
-            json.dumps(
-                {"hardware": hw.__dict__, "model": args.model, "gpus": args.gpus, "best": best.row(), "rows": rows},
-                indent=1,
-            )
-        )
+        doc = {"hardware": hw.__dict__, "model": args.model, "gpus": args.gpus, "best": best.row(), "rows": rows}
+        doc["static"] = static.row() if static is not None else None
+        if source is not None:
+            doc["manifest"] = {"samples": source.num_samples, "context_len": source.context_len}
+            doc["manifest"]["tokenizer"] = source.tokenizer.name if source.tokenizer else None
+        print(json.dumps(doc, indent=1))
         if args.plot:  # stdout stays JSON
             print(f"wrote {args.plot}", file=sys.stderr)
         return 0
-    print(f"{args.model} on {args.gpus} x {hw.name} ({hw.gpus_per_node}/node), {len(steps)} sampled step(s)")
-    print(
-        f"{'bags':26s}{'step (s)':>10s}{'tokens/s':>12s}{'HFU':>8s}{'comm':>7s}{'imbal':>8s}"
-        f"{'speedup':>9s}{'plan ms':>9s}"
-    )
-    for r in rows:
-        print(
-            f"{r['bags']:26s}{r['step_s']:10.3f}{r['tokens_per_s']:12.0f}{r['hfu']:8.1%}{r['comm_share']:7.1%}"
-            f"{r['imbalance']:8.3f}{r['speedup']:9.3f}{r['plan_ms']:9.1f}"
-        )
+    shown = [base] + ([static] if static is not None and static.bags not in {r.bags for r in results} else [])
+    _print_table(args, hw, steps, [r.row() for r in shown] + rows[1:], source)
     for r in rows:
         if r.get("largest_group", 1) > 1 and r["bags"] == "auto":
             ring = f"; rings (r × Ulysses u): {r['rings']}" if r["rings"] else "; no rings"
             print(f"{r['bags']}: largest group {r['largest_group']} ranks{ring}")
+    if static is not None and results and len(steps) > 1:
+        for r in results:
+            each = " ".join(f"{a / b:.3f}" for a, b in zip(r.step_times, static.step_times))
+            print(f"{r.bags} / {static.bags} per step: {each}")
     if search:
         print(f"best: {best.bags} ({best.speedup:.3f}x vs none)")
     if args.plot:
         print(f"wrote {args.plot}")
     return 0
+
+
+def _print_table(args, hw, steps, rows, source) -> None:
+    what = f"{len(steps)} sampled step(s)"
+    if source is not None:
+        tok = source.tokenizer.name if source.tokenizer else "token counts"
+        what += f" of {args.manifest} ({source.num_samples} samples, {tok}, {args.budget} tokens/GPU)"
+    print(f"{args.model} on {args.gpus} x {hw.name} ({hw.gpus_per_node}/node), {what}")
+    print(
+        f"{'bags':26s}{'step (s)':>10s}{'tokens/s':>12s}{'HFU':>8s}{'comm':>7s}{'imbal':>8s}"
+        f"{'vs none':>9s}{'vs static':>10s}{'max tok':>9s}{'plan ms':>9s}"
+    )
+    for r in rows:
+        vs = f"{r['speedup_static']:10.3f}" if r.get("speedup_static") is not None else f"{'':>10s}"
+        tok = f"{r['max_tokens']:9d}" + ("!" if r.get("over_cap") else "")
+        print(
+            f"{r['bags']:26s}{r['step_s']:10.3f}{r['tokens_per_s']:12.0f}{r['hfu']:8.1%}{r['comm_share']:7.1%}"
+            f"{r['imbalance']:8.3f}{r['speedup']:9.3f}{vs}{tok}{r['plan_ms']:9.1f}"
+        )
+    if any(r.get("over_cap") for r in rows):
+        print(f"! more than --max-tokens {args.max_tokens} tokens on some rank")
 
 
 def main(argv: list[str] | None = None) -> int:

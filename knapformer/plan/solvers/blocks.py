@@ -83,6 +83,13 @@ class Blocks:
                     return int(lo + hits[0])
         return int(np.argmax(near))
 
+    def add_ranks(self, loads: np.ndarray) -> None:
+        """Every rank's load grows by ``loads`` (S,), tokens unchanged; block maxima rebuilt once
+        (the source ranks' route charges: one pass instead of one update per sequence)."""
+        self.load[1] += loads
+        for j in self._above:
+            self.load[j] = self.load[1].reshape(-1, j).max(axis=1)
+
     def first_rank(self, k: int, b: int) -> int:
         """The first rank of block b of size k (see :meth:`best`)."""
         return b * k if k in self.load else b * self.node

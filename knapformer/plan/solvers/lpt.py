@@ -62,6 +62,17 @@ def _insert(problem: PlanProblem, items: list[int], seq_bag: np.ndarray, load: n
         heaps.append(h)
     meta = [(k, kap, ids) for k, kap, ids in classes]
     load_l, tok_l = load.tolist(), tok.tolist()
+    if cap is None and len(heaps) == 1:  # one class, no cap: the earliest bag is the heap's top
+        h, kap = heaps[0], meta[0][1]
+        for g in items:
+            assigned, b = h[0]
+            heapq.heapreplace(h, (assigned + work[g], b))
+            seq_bag[g] = b
+        for assigned, b in h:
+            load_l[b] = assigned
+        load[:] = load_l
+        tok += sum_by(seq_bag[items], problem.lengths[items], len(load)).astype(np.int64)
+        return
     for g in items:
         w, L = work[g], lengths[g]
         best_key, best = None, None

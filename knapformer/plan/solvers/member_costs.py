@@ -2,7 +2,7 @@
 
 A sequence of length L on a k-rank group costs each member ``lin(L/k) + quad(L)/k + per_seq``,
 scaled for the wait at synchronised exchanges, plus its share of the exchanges
-(:func:`~knapformer.plan.cost.member_comm_estimate`). Only the pairs a pick can use are priced
+(:func:`~knapformer.plan.member_comm.member_comm_estimate`). Only the pairs a pick can use are priced
 (:class:`MemberCosts`), every degree in one broadcast.
 """
 
@@ -12,10 +12,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from knapformer.plan.cost import jitter_factor, member_comm_estimate
+from knapformer.plan.cost import jitter_factor
+from knapformer.plan.member_comm import member_comm_estimate
 from knapformer.plan.problem import PlanProblem
 
-__all__ = ["MemberCosts", "balanced_target", "member_costs"]
+__all__ = ["MemberCosts", "balanced_target", "member_costs", "member_rows"]
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ def _smallest_fit(cost: np.ndarray, target: float, allow: np.ndarray) -> np.ndar
     return np.where(fits.any(axis=0), fits.argmax(axis=0), masked.argmin(axis=0))
 
 
-def _member_rows(problem: PlanProblem, degrees, L: np.ndarray) -> np.ndarray:
+def member_rows(problem: PlanProblem, degrees, L: np.ndarray) -> np.ndarray:
     """(len(degrees), len(L)) per-member cost at each degree, every degree in one broadcast."""
     model, link = problem.model, problem.link
     if not len(degrees):
@@ -99,12 +100,12 @@ def member_costs(problem: PlanProblem, floor: float = 0.0, floor_wide: float | N
     node = problem.link.gpus_per_node if problem.link is not None else problem.num_ranks
     narrow = sum(1 for k in D if k <= node)
     cols = np.flatnonzero(work > floor)
-    near = _member_rows(problem, D[:narrow], L[cols])
+    near = member_rows(problem, D[:narrow], L[cols])
     fw = floor if floor_wide is None else floor_wide
     if narrow < len(D):
         sel = ~(near <= fw).any(axis=0)
         wide_cols = cols[sel]
-        wide = np.concatenate([near[:, sel], _member_rows(problem, D[narrow:], L[wide_cols])])
+        wide = np.concatenate([near[:, sel], member_rows(problem, D[narrow:], L[wide_cols])])
     else:
         wide_cols, wide = np.zeros(0, dtype=np.int64), np.zeros((len(D), 0))
     return MemberCosts(D=D, work=work, cols=cols, near=near, wide_cols=wide_cols, wide=wide)

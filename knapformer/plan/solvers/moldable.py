@@ -1,7 +1,7 @@
 """Moldable planner (layout ``auto``): every step, each sequence's parallel degree and ranks.
 
 A sequence of length L on a k-rank group costs each member ``lin(L/k) + quad(L)/k + per_seq``
-plus its share of the Ulysses exchanges (:func:`~knapformer.plan.cost.member_comm_estimate`),
+plus its share of the Ulysses exchanges (:func:`~knapformer.plan.member_comm.member_comm_estimate`),
 so sharding is free only when communication is. The planner:
 
 1. **Degrees.** For a target makespan T (a multiple α of the moldable lower bound), each
@@ -14,20 +14,34 @@ so sharding is free only when communication is. The planner:
    without a link model) with the earliest finish of its busiest member (ties: a block
    holding the sequence's source rank, then the lowest). The source rank of each split
    sequence is first charged for sending what leaves it (route and reverse,
-   :func:`~knapformer.plan.cost.route_home_estimate`): a 250k-token video's source sends
+   :func:`~knapformer.plan.member_comm.route_home_estimate`): a 250k-token video's source sends
    ~1.5 GB, and without the charge the images filled it up like any other rank.
 3. **Whole sequences** fill the ranks around them by earliest-finish LPT (exact insertion for
    the largest and smallest, vectorised rounds for the middle) and a local search moves and
    swaps them off the critical rank.
 
-Candidates: α = 1 (and α = 1/8, "split more", for up to 2,048 sequences), and — so that
-``auto`` is never worse than a fixed layout the user could have chosen — up to 16 ranks every
-bag layout of the allowed sizes (uniform and mixed) planned by the default solver; above 16
-ranks, when the best of those packs the ranks more than :data:`_LOOSE` unevenly and no
-sequence needs a ring, the menu layouts whose bag shares match its degrees
-(:func:`matched_layouts`). All are priced by the same cost function (communication
-included); the best wins, ties going to fewer tokens moved but never above the best
-fixed-layout plan.
+Candidates, all priced by the same cost function (exchanges and sync waits included); the
+best wins, ties going to fewer tokens moved but never above the best bag-layout plan:
+
+- α = 1: the degree picks at the bound (steps 1–3), and, when that packs the ranks more than
+  :data:`_LOOSE` unevenly, α = 1/8 ("split more", Ulysses degrees only) up to 2,048 sequences;
+- when that packs the ranks more than :data:`_LOOSE` unevenly, the *fine* candidate — inside a
+  node, split every sequence whose whole cost exceeds :data:`_FINE` of the bound, keep the
+  rest whole — and, without rings, the menu layouts whose bag shares match the α = 1 degrees
+  (:func:`matched_layouts`). On realistic image + video steps the α = 1 picks left split
+  chunks of 50–95% of the target (two cannot share a rank; whole sequences near the target
+  then found no empty rank, and local search moves only whole sequences): 1.1–1.36× the
+  bound where static Ulysses-8 reached 1.04×. The fine candidate splits what must be split
+  finely enough to pack, and keeps the small sequences off the exchanges;
+- when a sequence needs a ring: its Ulysses-only twin, rings as wide as α = 1/8 pays, a finer
+  split of the sequences inside nodes, and the published hybrid-CP allotment (up to 2,048
+  sequences);
+- the uniform layouts a team configures by hand (``g{k}n{S/k}``, :mod:`.uniform`), each
+  planned by the default solver only while its lower bound says it can still beat the best
+  plan by more than 0.2% — so ``auto`` is never predicted more than that (and the quicker
+  LPT's difference, under 0.2% on the benchmark mixes) above any of them; up to 16 ranks every
+  bag layout of the allowed sizes (uniform and mixed);
+- every sequence at home, when that can win.
 
 Cost: sequences are priced only at the degrees a target can pick (:class:`MemberCosts`) and
 every degree in one broadcast, so a step of 131k sequences on 4,096 ranks (515 allowed
@@ -41,19 +55,14 @@ plan always returns (the first candidate at once), and more budget can only impr
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import numpy as np
 
-from knapformer.layout import BagLayout
-from knapformer.plan.cost import route_home_estimate
 from knapformer.plan.plan import Plan, build_plan
 from knapformer.plan.problem import PlanProblem
-from knapformer.plan.solvers.blocks import Blocks as _Blocks
-from knapformer.plan.solvers.blocks import block_members
 from knapformer.plan.solvers.common import stamp
-from knapformer.plan.solvers.lpt import HEAP_ITEMS, lpt_fill, solve_lpt
+from knapformer.plan.solvers.lpt import EXACT_ITEMS, HEAP_ITEMS
 from knapformer.plan.solvers.member_costs import MemberCosts, balanced_target, member_costs
 from knapformer.plan.solvers.menu import (
     FIXED_ALL_UP_TO,
@@ -61,9 +70,9 @@ from knapformer.plan.solvers.menu import (
     fixed_layouts,
     layout_menu,
     matched_layouts,
-    spec_terms,
 )
-from knapformer.plan.solvers.refine import local_search, settle_home
+from knapformer.plan.solvers.placement import place
+from knapformer.plan.solvers.uniform import QUICK_ITERS, solve_bags, uniform_candidates
 
 __all__ = [
     "CANDIDATES_PER_SECOND",
@@ -91,137 +100,31 @@ sequences that run inside a node split as for a target of :data:`_FINER` × the 
 _FINER = 0.25
 """Images of 4k tokens (~⅓ of the bound each) beside videos on ring groups of 1,024 ranks left
 ranks with three of them at 1.10× the bound; split for a quarter of it: 1.08×."""
-_FAST_BLOCKS = True
-"""Choose blocks from maintained block maxima when every rank is equally fast (:class:`_Blocks`);
-False gathers every rank's load per sequence (the general path; tests compare the two)."""
+_FINE = 1 / 32
+"""The fine candidate splits, inside a node, every sequence whose whole cost exceeds this share
+of the bound (module docstring)."""
 
 
 def _candidate(problem: PlanProblem, costs: MemberCosts, pick: np.ndarray) -> Plan | None:
-    S, n = problem.num_ranks, problem.num_seqs
-    speed = problem.speed
-    cap = problem.max_tokens_per_rank
-    L = problem.lengths
-    degree = np.asarray(costs.D, dtype=np.int64)[pick]
-    if not (degree > 1).any():  # every sequence whole: exactly the one-rank-bags problem
-        return _solve_bags(problem, f"g1n{S}")
-    c = costs.member(pick)
-    load = np.zeros(S)  # work units per rank (time = load / speed)
-    tok = np.zeros(S, dtype=np.int64)
-    groups: list[tuple[int, ...]] = [(r,) for r in range(S)]
-    index_of = {}
-    seq_group = np.zeros(n, dtype=np.int64)
-    multi = np.flatnonzero(degree > 1)
-    multi = multi[np.argsort(-c[multi], kind="stable")]
-    home = problem.src_rank
-    used = sorted(set(degree[multi].tolist()))
-    node = problem.link.gpus_per_node if problem.link is not None else None
-    # block maxima need every size to divide the group, or whole nodes of a group of whole nodes
-    whole_nodes = node is not None and S % node == 0
-    fast = _FAST_BLOCKS and (speed == speed[0]).all() and all(S % k == 0 or whole_nodes for k in used)
-    place = _Blocks(S, [1, *used], cap, node) if fast else None
-    blocks = {k: block_members(S, k, node) for k in used} if place is None else None
-    if problem.link is not None:  # the source of a split sequence sends what leaves it
-        route = route_home_estimate(L[multi], degree[multi], problem.model, problem.link)
-        for g, r in zip(multi.tolist(), route.tolist()):
-            load[home[g]] += r
-            if place is not None:
-                place.add(1, int(home[g]), r, 0)
-    extra = np.zeros(n, dtype=np.int64)  # the pre_attn path's gathered K/V, as tokens
-    if problem.kv_gather and cap is not None:
-        for k in used:
-            at = multi[degree[multi] == k]
-            extra[at] = problem.gather_need(L[at], k)
-    for g in multi.tolist():
-        k = int(degree[g])
-        need = -(-int(L[g]) // k) + int(extra[g])
-        if place is not None:  # one speed: block maxima kept up to date
-            b = place.best(k, c[g], need, int(home[g]))
-            if b < 0:
-                return None
-            first = place.first_rank(k, b)
-            members = tuple(range(first, first + k))
-            place.add(k, b, c[g], need)
-        else:
-            B = blocks[k]
-            finish = ((load[B] + c[g]) / speed[B]).max(axis=1)
-            if cap is not None:
-                finish = np.where((tok[B] + need <= cap).all(axis=1), finish, np.inf)
-            best = finish.min()
-            if not np.isfinite(best):
-                return None
-            near = np.flatnonzero(finish <= best * (1 + 1e-12))
-            at_home = near[(B[near] == home[g]).any(axis=1)]
-            b = int(at_home[0] if at_home.size else near[0])
-            members = tuple(int(r) for r in B[b])
-        load[list(members)] += c[g]
-        tok[list(members)] += need
-        if members not in index_of:
-            index_of[members] = len(groups)
-            groups.append(members)
-        seq_group[g] = index_of[members]
-    # whole sequences: LPT over single ranks (the problem's bags are the ranks), then local search
-    order = problem.by_work
-    single = order[degree[order] == 1]  # by decreasing work
-    base_load, base_tok = load.copy(), tok.copy()
-    try:
-        lpt_fill(problem, single, seq_group, load, tok)
-    except ValueError:  # no rank has room under the cap for some sequence
-        return None
-    movable = degree == 1
-    opts = problem.options
-    gap = opts.stop_gap if opts.stop_gap is not None else (5e-5 if n <= 2048 else 1e-3)
-    iters = opts.max_iters if opts.max_iters is not None else min(2 * S + 200, 1000)
-    seq_group = local_search(
-        problem,
-        seq_group,
-        movable=movable,
-        base_load=base_load,
-        base_tok=base_tok,
-        stop_at=max(problem.lower_bound, float(load.sum() / speed.sum())) * (1 + gap),  # balance beats no mean
-        max_iters=iters,
-    )
-    homed = settle_home(problem, seq_group, movable=movable, base_load=base_load, base_tok=base_tok)
-    plans = []
-    for assignment in (homed, seq_group) if (homed != seq_group).any() else (seq_group,):
-        try:
-            plans.append(build_plan(problem, assignment, solver="moldable", groups=groups))
-        except ValueError:
-            continue
-        if plans[0].makespan <= plans[-1].makespan * (1 + problem.options.tie_tolerance):
-            break  # the homed plan is as fast: no need for the other
-    return min(plans, key=lambda p: p.makespan) if plans else None
+    if problem.num_seqs > EXACT_ITEMS:  # every sequence whole, many: one-rank bags, quickly
+        whole = lambda p: solve_bags(p, f"g1n{p.num_ranks}", quick=True, max_iters=QUICK_ITERS)  # noqa: E731
+    else:
+        whole = lambda p: solve_bags(p, f"g1n{p.num_ranks}")  # noqa: E731
+    return place(problem, costs, pick, whole_plan=whole)
 
 
-def _solve_bags(problem: PlanProblem, spec: str, *, quick: bool = False) -> Plan | None:
-    """The default solver's plan of ``problem`` under the bag layout ``spec`` (None if the cap
-    cannot be met), with the moldable problem's bound and name. ``quick``: above
-    :data:`~knapformer.plan.solvers.lpt.HEAP_ITEMS` sequences, 100 local-search iterations
-    unless the options name a count (on the paper's joint mix at 4,096 ranks: 1.0652× the
-    bound in 139 ms where the default 2,148 reach 1.0637× in 216 ms)."""
-    options = problem.options
-    if quick and options.max_iters is None and problem.num_seqs > HEAP_ITEMS:
-        options = dataclasses.replace(options, max_iters=100)
-    sub = PlanProblem(
-        seq_lens=problem.seq_lens,
-        layout=BagLayout(tuple((k, n) for k, n in spec_terms(spec))),
-        model=problem.model,
-        max_tokens_per_rank=problem.max_tokens_per_rank,
-        rank_speed=problem.rank_speed,
-        options=options,
-        link=problem.link,
-        kv_gather=problem.kv_gather,
-    )
-    try:
-        plan = solve_lpt(sub)
-    except ValueError:  # the cap cannot be met under this layout
-        return None
-    object.__setattr__(plan, "lower_bound", problem.lower_bound)
-    object.__setattr__(plan, "solver", "moldable")
-    return plan
+def _fixed_candidates(problem: PlanProblem, specs: list[str], **kw) -> list[Plan]:
+    return [p for spec in specs if (p := solve_bags(problem, spec, **kw)) is not None]
 
 
-def _fixed_candidates(problem: PlanProblem, specs: list[str], *, quick: bool = False) -> list[Plan]:
-    return [p for spec in specs if (p := _solve_bags(problem, spec, quick=quick)) is not None]
+def _fine_picks(problem: PlanProblem, costs: MemberCosts, lb: float, first: np.ndarray, node: int) -> np.ndarray:
+    """Each sequence's degree for the fine candidate: the smallest Ulysses degree inside a node
+    whose per-member cost fits :data:`_FINE` × the bound (else the cheapest inside a node), and
+    the plain α = 1 pick (``first``) for a sequence no degree inside a node fits under the bound."""
+    D = np.asarray(costs.D)
+    inside = (D <= node) & np.array([problem.ring_of(int(k)) == 1 for k in D])
+    fine = costs.picks(lb * _FINE, inside)
+    return np.where(costs.member(fine) <= lb, fine, first)
 
 
 def solve_moldable(problem: PlanProblem, *, time_budget_s: float | None = None) -> Plan:
@@ -233,13 +136,15 @@ def solve_moldable(problem: PlanProblem, *, time_budget_s: float | None = None) 
     n = problem.num_seqs
     if n == 0:
         return stamp(build_plan(problem, np.zeros(0, dtype=np.int64), solver="moldable"), t0)
-    lb = problem.lower_bound
+    lb = problem.steady_bound  # the degree targets' base (PlanProblem.steady_bound)
     # the work to do, as a count (identical on every rank): α candidates, then uniform layouts
     extra = 0 if time_budget_s is None else int(time_budget_s * CANDIDATES_PER_SECOND)
     n_alpha = min(len(ALPHAS), (2 if n <= 2048 else 1) + extra)
     # price each sequence only at the degrees a target the runs below try can pick (targets
-    # with every degree: α = 1 and 1/8, then at least the bound; plain ones: ALPHAS; _FINER)
-    costs = member_costs(problem, lb * min(*ALPHAS[:n_alpha], _FINER), lb * min(ALPHAS[:2]))
+    # with every degree: the α, 1/8 when a ring is wanted, then at least the bound; inside a
+    # node: _FINER, _FINE)
+    floor = lb * min(*ALPHAS[:n_alpha], _FINER, _FINE)
+    costs = member_costs(problem, floor, lb * min(ALPHAS[:n_alpha]))
     D = costs.D
     fixed = fixed_layouts(problem) if problem.num_ranks <= FIXED_ALL_UP_TO else []
     if extra and problem.num_ranks > FIXED_ALL_UP_TO:  # budget left after the α: the layout menu
@@ -254,16 +159,32 @@ def solve_moldable(problem: PlanProblem, *, time_budget_s: float | None = None) 
     # are priced (MemberCosts), so wider picks there would differ from a dense pricing
     in_node = plain & (np.asarray(D) <= node)
     first = costs.picks(lb * ALPHAS[0])
-    runs = [(None, lb * ALPHAS[0])] + [(plain if a >= ALPHAS[1] else in_node, lb * a) for a in ALPHAS[1:n_alpha]]
+    # α = 1/8 by default only when α = 1 packs loosely (a fine-grained step does not need it)
+    later = n_alpha == 2 and not extra
+    alphas = ALPHAS[1 : 1 if later else n_alpha]
+    runs = [(None, lb * ALPHAS[0])] + [(plain if a >= ALPHAS[1] else in_node, lb * a) for a in alphas]
     ringed = not bool(plain[first].all())
+    if ringed and n_alpha < 2:  # the ring runs below pick beyond a node for targets down to α = 1/8
+        costs = member_costs(problem, floor, lb * min(ALPHAS[:2]))
     if ringed and n <= 2048:  # a sequence wants a ring: its Ulysses-only twin, and rings as wide as pays
         runs += [(plain, lb * ALPHAS[0]), (None, lb * ALPHAS[1])]
-    candidates = [p for allow, t in runs if (p := _candidate(problem, costs, costs.picks(t, allow))) is not None]
+    picks = [costs.picks(t, allow) for allow, t in runs]
+    candidates = [p for pick in picks if (p := _candidate(problem, costs, pick)) is not None]
     loose = bool(candidates) and min(candidates, key=lambda p: p.makespan).imbalance_after > _LOOSE
+    if later and (loose or not candidates):
+        picks.append(costs.picks(lb * ALPHAS[1], plain))
+        if not any((picks[-1] == q).all() for q in picks[:-1]):
+            if (p := _candidate(problem, costs, picks[-1])) is not None:
+                candidates.append(p)
+        loose = bool(candidates) and min(candidates, key=lambda p: p.makespan).imbalance_after > _LOOSE
+    fine = _fine_picks(problem, costs, lb, first, node) if loose else None
+    if fine is not None and not any((fine == p).all() for p in picks):
+        if (p := _candidate(problem, costs, fine)) is not None:
+            candidates.append(p)
     candidates += _fixed_candidates(problem, fixed)
     if loose and not ringed and problem.num_ranks > FIXED_ALL_UP_TO:  # the layout a user would pick
         matched = [s for s in matched_layouts(problem, costs, first, 2 if n <= 2048 else 1) if s not in fixed]
-        candidates += _fixed_candidates(problem, matched, quick=True)
+        candidates += _fixed_candidates(problem, matched, quick=n > 2048, max_iters=100 if n > HEAP_ITEMS else None)
     if loose and ringed:  # coarse whole sequences beside ring groups: split them finer inside nodes
         Darr = np.asarray(D)
         finer = costs.picks(lb * _FINER)
@@ -293,6 +214,10 @@ def solve_moldable(problem: PlanProblem, *, time_budget_s: float | None = None) 
                 object.__setattr__(p, "solver", "moldable")
                 candidates.append(p)
     reached = min((p.makespan for p in candidates), default=np.inf)
+    if problem.num_ranks > FIXED_ALL_UP_TO:  # the uniform layouts that can still win (their bounds)
+        done = {len(p.groups[0]) for p in candidates if p.is_partition and len({len(g) for g in p.groups}) == 1}
+        candidates += uniform_candidates(problem, reached, quick=n > 256, skip=done)
+        reached = min((p.makespan for p in candidates), default=np.inf)
     # every sequence whole at home (nothing moves, nothing priced but compute: its makespan is
     # the unbalanced time): auto is never predicted slower than that; built only when it can win
     if float(problem.time_before.max()) <= reached * (1 + 2 * problem.options.tie_tolerance):
