@@ -55,6 +55,7 @@ from knapformer.integrations._diffusers import (
     require_diffusers,
     stack_scalars,
 )
+from knapformer.integrations.configs_dit import HUNYUANVIDEO15_PRESETS, DiffusersHunyuanVideo15Config, hunyuan_workload
 from knapformer.integrations.family import ModelFamily, StepInputs, block_runner
 from knapformer.integrations.hunyuanvideo15_attention import (
     HunyuanPacked,
@@ -80,71 +81,6 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, kw_only=True)
-class DiffusersHunyuanVideo15Config:
-    """A randomly initialised diffusers ``HunyuanVideo15Transformer3DModel`` (no download); the
-    defaults are the ``diffusers-hunyuanvideo15-tiny`` preset."""
-
-    num_heads: int = 4
-    head_dim: int = 16
-    num_layers: int = 2
-    num_refiner_layers: int = 1
-    mlp_ratio: float = 4.0
-    in_channels: int = 9
-    """Input channels (released: 32 noisy latent + 32 condition latent + 1 mask = 65)."""
-    out_channels: int = 4
-    patch_size: int = 1
-    patch_size_t: int = 1
-    text_dim: int = 32
-    """MLLM (Qwen2.5-VL) state width, ``text_embed_dim``."""
-    text_2_dim: int = 16
-    """byT5 state width, ``text_embed_2_dim``."""
-    image_dim: int = 12
-    """SigLIP state width, ``image_embed_dim``."""
-    rope_axes_dim: tuple[int, int, int] = (4, 6, 6)
-    use_meanflow: bool = False
-
-    @property
-    def dim(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def in_dim(self) -> int:
-        """Features of one video token before the patch embedding (C·p_t·p·p)."""
-        return self.in_channels * self.patch_size_t * self.patch_size**2
-
-    @property
-    def out_dim(self) -> int:
-        return self.out_channels * self.patch_size_t * self.patch_size**2
-
-    @property
-    def vec_dim(self) -> int:
-        return 1
-
-    def workload(self, gamma: float = 1.0) -> WorkloadModel:
-        return _workload(self.dim, self.mlp_ratio, self.num_layers, self.num_heads, gamma)
-
-
-def _released() -> DiffusersHunyuanVideo15Config:
-    """HunyuanVideo-1.5 (8.3B; the 480p/720p T2V and I2V transformers share these sizes), from
-    diffusers' ``scripts/convert_hunyuan_video1_5_to_diffusers.py`` TRANSFORMER_CONFIGS (the
-    ``hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-*`` configs): 54 layers of 16 heads ×
-    128, 2 refiner layers, mlp_ratio 4, in 65 / out 32 channels, patch 1×1×1, text 3584, byT5
-    1472, image 1152, rope_axes_dim (16, 56, 56)."""
-    return DiffusersHunyuanVideo15Config(
-        num_heads=16,
-        head_dim=128,
-        num_layers=54,
-        num_refiner_layers=2,
-        in_channels=65,
-        out_channels=32,
-        text_dim=3584,
-        text_2_dim=1472,
-        image_dim=1152,
-        rope_axes_dim=(16, 56, 56),
-    )
-
-
 @dataclass
 class HunyuanVideo15Sample:
     """One training sample for a HunyuanVideo 1.5 model (no batch dimension anywhere)."""
@@ -168,20 +104,13 @@ class PackedHunyuanVideo15Output(PackedOutput):
     (T, C_out·p_t·p·p) token rows (sample order; see ``PackedOutput``)."""
 
 
-def _workload(d: int, mlp_ratio: float, layers: int, heads: int, gamma: float) -> WorkloadModel:
-    """Per token and layer: q/k/v/o (4·d²) and the MLP (2·mlp_ratio·d²) multiply-adds, 2 FLOPs
-    each, in either stream (24·d² at the released mlp_ratio 4)."""
-    linear = 2.0 * (4.0 + 2.0 * mlp_ratio) * d * d
-    return WorkloadModel(d_model=d, gamma=gamma, num_layers=layers, num_heads=heads, linear=linear)
-
-
 def hunyuanvideo15_workload(model, *, gamma: float = 1.0) -> WorkloadModel:
     """The planner's cost model of a ``HunyuanVideo15Transformer3DModel`` (its width, MLP
     ratio, dual-stream layers and heads; the 2-layer text refiner runs where the text was
     loaded and is left out)."""
     c = model.config
     d = c.num_attention_heads * c.attention_head_dim
-    return _workload(d, c.mlp_ratio, c.num_layers, c.num_attention_heads, gamma)
+    return hunyuan_workload(d, c.mlp_ratio, c.num_layers, c.num_attention_heads, gamma)
 
 
 def build_hunyuanvideo15(cfg: DiffusersHunyuanVideo15Config):
@@ -395,7 +324,7 @@ class HunyuanVideo15Family(ModelFamily):
     ``diffusers-hunyuanvideo15-tiny`` and ``diffusers-hunyuanvideo15-8.3b``, the released size)."""
 
     name = "diffusers-hunyuanvideo15"
-    presets = {"tiny": DiffusersHunyuanVideo15Config, "8.3b": _released}
+    presets = HUNYUANVIDEO15_PRESETS
 
     def build(self):
         return build_hunyuanvideo15(self.config)

@@ -57,6 +57,7 @@ from knapformer.integrations._diffusers import (
     require_diffusers,
     stack_scalars,
 )
+from knapformer.integrations.configs_dit import QWENIMAGE_PRESETS, DiffusersQwenImageConfig
 from knapformer.integrations.family import ModelFamily, StepInputs, block_runner
 from knapformer.integrations.qwenimage_attention import (
     TABLE,
@@ -81,62 +82,6 @@ __all__ = [
     "qwenimage_workload",
     "samples_from_batch",
 ]
-
-
-@dataclass(frozen=True, kw_only=True)
-class DiffusersQwenImageConfig:
-    """A randomly initialised diffusers ``QwenImageTransformer2DModel`` (no download); the
-    defaults are the ``diffusers-qwenimage-tiny`` preset."""
-
-    num_heads: int = 4
-    head_dim: int = 16
-    num_layers: int = 2
-    in_channels: int = 16
-    """Features of one packed 2×2 latent patch (the VAE's channels × 4)."""
-    out_channels: int = 4
-    patch_size: int = 2
-    text_dim: int = 32
-    """``joint_attention_dim`` (the text encoder's width)."""
-    axes_dims_rope: tuple[int, int, int] = (4, 6, 6)
-    zero_cond_t: bool = False
-    use_additional_t_cond: bool = False
-    use_layer3d_rope: bool = False
-
-    @property
-    def dim(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def in_dim(self) -> int:
-        return self.in_channels
-
-    @property
-    def out_dim(self) -> int:
-        return self.patch_size * self.patch_size * self.out_channels
-
-    @property
-    def vec_dim(self) -> int:
-        return 1
-
-    def workload(self, gamma: float = 1.0) -> WorkloadModel:
-        return WorkloadModel(d_model=self.dim, gamma=gamma, num_layers=self.num_layers, num_heads=self.num_heads)
-
-
-def _qwen_image_20b() -> DiffusersQwenImageConfig:
-    """Qwen-Image's released size (20.4B parameters; -Edit, -Edit-2509 and -Layered share it),
-    from the ``QwenImageTransformer2DModel`` ``transformer/config.json`` published with the
-    models on the Hugging Face Hub, also diffusers' defaults: 60 layers of 24 heads × 128,
-    in_channels 64, out_channels 16, patch 2, joint_attention_dim 3584, axes_dims_rope
-    (16, 56, 56)."""
-    return DiffusersQwenImageConfig(
-        num_heads=24,
-        head_dim=128,
-        num_layers=60,
-        in_channels=64,
-        out_channels=16,
-        text_dim=3584,
-        axes_dims_rope=(16, 56, 56),
-    )
 
 
 @dataclass
@@ -368,7 +313,7 @@ class QwenImageFamily(ModelFamily):
     ``diffusers-qwenimage-tiny`` and ``diffusers-qwenimage-20b``, the released size)."""
 
     name = "diffusers-qwenimage"
-    presets = {"tiny": DiffusersQwenImageConfig, "20b": _qwen_image_20b}
+    presets = QWENIMAGE_PRESETS
 
     def build(self):
         return build_qwenimage(self.config)

@@ -39,6 +39,8 @@ CONFIGS: dict[str, str] = {
     "diffusers-flux": "knapformer.integrations.configs:FLUX_PRESETS",
     "diffusers-flux2": "knapformer.integrations.configs:FLUX2_PRESETS",
     "diffusers-wan": "knapformer.integrations.configs:WAN_PRESETS",
+    "diffusers-qwenimage": "knapformer.integrations.configs_dit:QWENIMAGE_PRESETS",
+    "diffusers-hunyuanvideo15": "knapformer.integrations.configs_dit:HUNYUANVIDEO15_PRESETS",
     "torchtitan-flux": "knapformer.integrations.configs:TITAN_FLUX_PRESETS",
 }
 """Optional, per family: ``module:name`` of a torch-free table of its sizes (the adapter's
