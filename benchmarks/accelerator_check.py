@@ -111,8 +111,20 @@ def _torch_varlen():
     except Exception:
         return None
 
+    import inspect
+
+    try:  # the causal flag's name differs between releases (torch 2.11: not is_causal)
+        params = set(inspect.signature(varlen_attn).parameters)
+    except (TypeError, ValueError):
+        params = set()
+    flag = next((n for n in ("is_causal", "causal") if n in params), None)
+
     def run(q, k, v, cu, max_len, *, causal):
-        return varlen_attn(q, k, v, cu, cu, max_len, max_len, is_causal=causal)
+        if flag is None:
+            if causal:
+                raise TypeError("this torch's varlen_attn names no causal flag")
+            return varlen_attn(q, k, v, cu, cu, max_len, max_len)
+        return varlen_attn(q, k, v, cu, cu, max_len, max_len, **{flag: causal})
 
     return run
 
