@@ -340,3 +340,25 @@ def route_seconds(f: CommFeatures, link: LinkModel) -> np.ndarray:
     if link.copy_bw is not None:
         t = t + 4 * f.route_copy * link.bytes_per_value / link.copy_bw
     return 4 * t
+
+
+_MOVED = {
+    "member_comm_estimate": "knapformer.plan.member_comm",
+    "member_comm_lower": "knapformer.plan.member_comm",
+    "route_home_estimate": "knapformer.plan.member_comm",
+}
+"""Names this module exported in 0.1.0 that moved in 0.2.0 (kept for one minor version)."""
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        import importlib
+        import warnings
+
+        warnings.warn(
+            f"knapformer.plan.cost.{name} moved to {_MOVED[name]} in 0.2.0; the old name goes in 0.3",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
