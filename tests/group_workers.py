@@ -83,7 +83,7 @@ def check_auto_balancer(
     from knapformer.plan.cost import LinkModel
 
     model = WorkloadModel(d_model=heads * 4, num_heads=heads)
-    link = LinkModel(intra_bw=3e7, inter_bw=3e7, gpus_per_node=world, units_per_second=1e9) if priced else None
+    link = LinkModel(intra_bw=3e7, inter_bw=3e7, gpus_per_node=world, units_per_second=1e9) if priced else "free"
     bal = SequenceBalancer(layout, model, link=link)
     seen = {"mixed_rank": False, "idle_rank": False, "partition": [], "sizes": set()}
     for step in range(steps):
@@ -336,7 +336,10 @@ def check_auto_custom_kernel(rank: int, world: int, configs, steps: int, seed: i
     out = []
     for c, (heads, kv_heads, causal, priced) in enumerate(configs):
         model = WorkloadModel(d_model=heads * 4, num_heads=heads, num_kv_heads=kv_heads, causal=causal)
-        link = LinkModel(intra_bw=3e7, inter_bw=3e7, gpus_per_node=world, units_per_second=1e9) if priced else None
+        # 8-byte (fp64) values from the first step on: the balancer prices the dtype it exchanges
+        link = "free"
+        if priced:
+            link = LinkModel(intra_bw=1.2e8, inter_bw=1.2e8, gpus_per_node=world, units_per_second=1e9)
         bal = SequenceBalancer("auto", model, link=link)
         seen = {"rings": set(), "kv_gather": [], "sizes": set()}
         for step in range(steps):
