@@ -194,6 +194,10 @@ def count_collectives(rank: int, world: int, measure: bool) -> dict:
     return {"per_step": per_step, "measured": bal.last_step.measured_s if bal.last_step else None}
 
 
+SLOW_S = 0.03
+"""Seconds rank 1 sleeps in each block's forward in :func:`wall_clock_loop` (a slow GPU)."""
+
+
 def wall_clock_loop(rank: int, world: int, steps: int, layout: str, pause_exchanges: bool = True) -> dict:
     """``timer="wall"`` (a gloo collective blocks the host like a CUDA stream waits for NCCL):
     rank 1 sleeps inside every block (a slow GPU), the prior's γ is 50x too large, lengths
@@ -211,7 +215,7 @@ def wall_clock_loop(rank: int, world: int, steps: int, layout: str, pause_exchan
     model = Transformer(CFG)
     if rank == 1:
         for block in model.blocks:
-            block.register_forward_hook(lambda *_: time.sleep(0.02))
+            block.register_forward_hook(lambda *_: time.sleep(SLOW_S))
     prior = WorkloadModel(d_model=64, gamma=50.0, num_layers=CFG.num_layers)
     bal = SequenceBalancer(
         BalancerConfig(

@@ -171,12 +171,15 @@ def test_wall_clock_timing_measures_each_ranks_own_work_and_finds_the_slow_rank(
     work), and from a wrong prior with unequal work (auto) the fit moves and the slow rank's
     speed is estimated below the other's. Timing the whole region instead makes every rank
     measure the slowest one (the failure on CUDA this replaces)."""
-    same_work = run_distributed(W.wall_clock_loop, 2, 3, "g2n1", timeout=180)
-    for measured in same_work[0]["measured"][1:]:
-        assert measured[1] > 1.5 * measured[0], same_work[0]["measured"]
-    region = run_distributed(W.wall_clock_loop, 2, 3, "g2n1", False, timeout=180)
-    for measured in region[0]["measured"][1:]:
-        assert abs(measured[1] - measured[0]) < 0.25 * max(measured), region[0]["measured"]
+    import statistics
+
+    injected = W.SLOW_S * W.CFG.num_layers  # rank 1's extra seconds per step
+    same_work = run_distributed(W.wall_clock_loop, 2, 4, "g2n1", timeout=180)
+    gaps = [m[1] - m[0] for m in same_work[0]["measured"][1:]]
+    assert statistics.median(gaps) > 0.6 * injected, same_work[0]["measured"]  # rank 1's own work is longer
+    region = run_distributed(W.wall_clock_loop, 2, 4, "g2n1", False, timeout=180)
+    gaps = [abs(m[1] - m[0]) for m in region[0]["measured"][1:]]
+    assert statistics.median(gaps) < 0.3 * injected, region[0]["measured"]  # the whole region: both the same
     for r in run_distributed(W.wall_clock_loop, 2, 6, "auto", timeout=180):
         assert r["moved"], r
         assert r["speeds"][1] < 0.7 * r["speeds"][0], r["speeds"]
