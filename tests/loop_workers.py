@@ -83,7 +83,9 @@ def run_loop(
     recalibrated cost model and speeds, when on)."""
     torch.manual_seed(0)
     model = Transformer(CFG)
-    cfg = BalancerConfig(layout=f"g1n{world}", cost=cost, measure=True, **settings)
+    # unpriced: these runs fit the compute model (a measured link would keep work home on 4
+    # ranks sharing 2 cores, and hide what the fit changes)
+    cfg = BalancerConfig(layout=f"g1n{world}", cost=cost, measure=True, link="free", **settings)
     bal = SequenceBalancer(cfg)
     records = []
     bal.on_step(lambda rec: records.append(rec.to_dict() | {"digest": _digest(bal.online_model())}))
@@ -138,7 +140,7 @@ def check_recalibration(rank: int, world: int, steps: int) -> dict:
     pin_to_core(rank, world)
     profile = WorkloadModel.from_profile(PROFILE)
     wrong = WorkloadModel(d_model=64, gamma=10 * profile.gamma_equivalent, num_layers=CFG.num_layers)
-    offline = BalancerConfig(layout=f"g1n{world}", cost=profile, measure=True)
+    offline = BalancerConfig(layout=f"g1n{world}", cost=profile, measure=True, link="free")
     # a fresh process runs its first tens of steps ever faster (allocator, first calls of each
     # kernel shape): warm it up, so the runs below measure the cost model, not that trend
     run_loop(rank, world, profile, WARMUP_STEPS, slow_rank=None, first_step=200)
