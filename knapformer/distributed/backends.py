@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["control_device", "device_backends", "device_problem", "host_collectives", "uses_nccl"]
+__all__ = ["control_device", "data_device", "device_backends", "device_problem", "host_collectives", "uses_nccl"]
 
 
 def device_backends(group=None) -> dict[str, str]:
@@ -59,6 +59,19 @@ def control_device(group=None) -> torch.device:
     its bound device (``init_process_group(device_id=...)``), else the current CUDA device."""
     if host_collectives(group):
         return torch.device("cpu")
+    return _cuda_device(group)
+
+
+def data_device(group=None) -> torch.device:
+    """Where ``group``'s data is expected before any tensor is seen (the link probe at
+    construction): the CUDA device when CUDA tensors go through NCCL, else the host."""
+    if uses_nccl(group) and torch.cuda.is_available():
+        return _cuda_device(group)
+    return torch.device("cpu")
+
+
+def _cuda_device(group) -> torch.device:
+    """The group's bound device (``init_process_group(device_id=...)``), else the current one."""
     bound = getattr(group if group is not None else dist.group.WORLD, "bound_device_id", None)
     if bound is not None:
         return torch.device(bound)

@@ -38,7 +38,7 @@ import knapformer.distributed.ulysses as ulysses
 from knapformer.config import BalancerConfig
 from knapformer.distributed.agree import digest62, gather_ints, gather_text, group_device
 from knapformer.distributed.attention_calls import AttentionCalls
-from knapformer.distributed.backends import device_problem, uses_nccl
+from knapformer.distributed.backends import data_device, device_problem, uses_nccl
 from knapformer.distributed.checks import StepChecks, as_lengths
 from knapformer.distributed.closed_loop import ClosedLoop
 from knapformer.distributed.compiled import eager_only
@@ -135,11 +135,7 @@ class SequenceBalancer(AttentionCalls):
         (the default; collective, every rank is here: construction is)."""
         if isinstance(config.link, LinkModel) or config.link == "free":
             return config.link if isinstance(config.link, LinkModel) else None
-        device = torch.device("cpu")
-        if uses_nccl(self.group) and torch.cuda.is_available():
-            bound = getattr(self.group, "bound_device_id", None)
-            device = torch.device(bound) if bound is not None else torch.device("cuda", torch.cuda.current_device())
-        return measure_link(self.group, self._checks.control, device, config.cost)
+        return measure_link(self.group, self._checks.control, data_device(self.group), config.cost)
 
     # -- settings --------------------------------------------------------------------------------
     @property

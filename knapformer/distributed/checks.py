@@ -100,16 +100,12 @@ class LayerCall:
 
     def values(self) -> tuple[tuple[str, str], ...]:
         """What the agreement compares (name, text)."""
-        out = tuple((n, _text(dt, shape)) for n, (dt, shape) in zip("qkv", self.tensors))
+        out = tuple((n, describe_parts(dt, shape)) for n, (dt, shape) in zip("qkv", self.tensors))
         return out + ((("causal", str(self.causal)),) if self.op != "post_attn" else ())
 
     def describe(self) -> str:
-        args = ", ".join(f"{n}: {_text(dt, shape)}" for n, (dt, shape) in zip("qkv", self.tensors))
+        args = ", ".join(f"{n}: {describe_parts(dt, shape)}" for n, (dt, shape) in zip("qkv", self.tensors))
         return f"{self.op}({args}{', causal' if self.causal else ''})"
-
-
-def _text(dtype: torch.dtype, trailing: tuple[int, ...]) -> str:
-    return describe_parts(dtype, trailing)
 
 
 class StepChecks:

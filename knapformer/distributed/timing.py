@@ -121,18 +121,18 @@ class StepTimer:
             _ACTIVE.clear()
         return segments
 
-    def seconds(self, *, wait: bool = False) -> float:
+    def seconds(self) -> float:
         """The measured seconds of the step ``lag`` steps back (NaN if its end was never
-        stamped, or — CUDA — its events are not complete and ``wait`` is off); ends the
+        stamped, or — CUDA — its events are not complete: no device synchronisation); ends the
         current step's region."""
         if self.kind != "cuda":
             segments = self._close() if self.running else None
             return float("nan") if segments is None else float(sum(b - a for a, b in segments))
         if self.running:
             self._pending.append(self._close())
-        if not self._pending or (len(self._pending) <= self.lag and not wait):
+        if len(self._pending) <= self.lag:
             return float("nan")
-        return _cuda_seconds(self._pending.popleft(), wait)
+        return _cuda_seconds(self._pending.popleft(), False)
 
     def drain(self) -> list[float]:
         """Seconds of every step still waiting to be read (CUDA: synchronises with their last
