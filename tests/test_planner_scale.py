@@ -223,16 +223,22 @@ def test_radix_order_is_the_stable_sort(keys, bound):
 def test_source_of_a_split_video_is_charged_for_sending_it(monkeypatch):
     """A 128k–256k-token video's source rank sends ~1 GB (route and reverse) where its group's
     members receive a share each: charging the source before the images are placed keeps the
-    images off it. Without the charge (mutation) the plan is predicted slower."""
+    images off it. Without the charge (mutation) the plans are predicted slower: over four
+    steps, never faster and 1% slower on average (how much depends on the degree the video
+    gets: 0.1% on a 104-rank ring, 3% on 64 ranks)."""
     import knapformer.plan.solvers.placement as placement
 
-    rng = np.random.default_rng([0, 128])
-    lens = images(rng, 128)
-    lens[int(rng.integers(128))].append(int(rng.integers(128_000, 256_001)))
-    charged = plan_sequences(lens, "auto", FLUX, link=h100())
+    steps = []
+    for seed in range(4):
+        rng = np.random.default_rng([seed, 128])
+        lens = images(rng, 128)
+        lens[int(rng.integers(128))].append(int(rng.integers(128_000, 256_001)))
+        steps.append(lens)
+    charged = [plan_sequences(lens, "auto", FLUX, link=h100()).makespan for lens in steps]
     monkeypatch.setattr(placement, "route_home_estimate", lambda L, k, model, link: np.zeros(np.shape(L)))
-    free = plan_sequences(lens, "auto", FLUX, link=h100())
-    assert charged.makespan <= free.makespan * (1 - 0.01), (charged.makespan, free.makespan)
+    free = [plan_sequences(lens, "auto", FLUX, link=h100()).makespan for lens in steps]
+    ratios = np.asarray(charged) / np.asarray(free)
+    assert (ratios <= 1 + 1e-9).all() and ratios.mean() <= 0.99, ratios
 
 
 SIZES = {48: [1, 2, 4, 8, 16, 24, 32, 40, 48], 64: [1, 2, 4, 8, 16, 24, 40, 64]}

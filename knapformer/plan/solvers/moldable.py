@@ -7,7 +7,10 @@ so sharding is free only when communication is. The planner:
 1. **Degrees.** For a target makespan T (a multiple α of the moldable lower bound), each
    sequence takes the *smallest* allowed degree whose per-member cost fits under T (else the
    degree with the lowest per-member cost): short sequences stay whole, long ones are split
-   just enough.
+   just enough. Up to 2,048 sequences, also the fitting degree whose members' total is least:
+   a group wider than a node run as one Ulysses group pays all its exchange at the slower
+   link and can cost more in all than a wider ring (Wan's 40 heads on 40 ranks against 6
+   rings of 8 on 48); when either choice wants a ring, the ring candidates below are tried.
 2. **Groups.** Multi-rank sequences, largest per-member cost first, go to the block of k
    ranks (aligned inside a node; beyond a node any k/n consecutive whole nodes, so 176 ranks
    fit anywhere on 1,024; any k consecutive ranks when k does not divide a small group
@@ -41,7 +44,13 @@ best wins, ties going to fewer tokens moved but never above the best bag-layout 
   plan by more than 0.2% — so ``auto`` is never predicted more than that (and the quicker
   LPT's difference, under 0.2% on the benchmark mixes) above any of them; up to 16 ranks every
   bag layout of the allowed sizes (uniform and mixed);
-- every sequence at home, when that can win.
+- every sequence at home, when that can win;
+- up to 2,048 sequences, the runs above again with the least-total degrees that fit, where
+  they differ from the smallest (step 1);
+- when the best is still more than :data:`_UNSTACK_ABOVE` above the bound: the best moldable
+  candidate placed again with its split sequences moved off the busiest ranks
+  (:mod:`~knapformer.plan.solvers.unstack`; long-tailed 512-GPU steps stacked two 300k-token
+  rings on one block: 1.13× the bound, 1.04× after).
 
 Cost: sequences are priced only at the degrees a target can pick (:class:`MemberCosts`) and
 every degree in one broadcast, so a step of 131k sequences on 4,096 ranks (515 allowed
@@ -100,17 +109,31 @@ sequences that run inside a node split as for a target of :data:`_FINER` × the 
 _FINER = 0.25
 """Images of 4k tokens (~⅓ of the bound each) beside videos on ring groups of 1,024 ranks left
 ranks with three of them at 1.10× the bound; split for a quarter of it: 1.08×."""
+_UNSTACK_ABOVE = 0.04
+"""When the best candidate is more than this above the bound, the best moldable one is placed
+again with its split sequences unstacked (:mod:`~knapformer.plan.solvers.unstack`)."""
 _FINE = 1 / 32
 """The fine candidate splits, inside a node, every sequence whose whole cost exceeds this share
 of the bound (module docstring)."""
 
 
-def _candidate(problem: PlanProblem, costs: MemberCosts, pick: np.ndarray) -> Plan | None:
+def _candidate(
+    problem: PlanProblem,
+    costs: MemberCosts,
+    pick: np.ndarray,
+    picked: dict | None = None,
+    unstack_to: float | None = None,
+) -> Plan | None:
+    """The plan of ``pick`` (:func:`~knapformer.plan.solvers.placement.place`); ``picked``
+    records it under the plan's id, for :data:`_UNSTACK_ABOVE`."""
     if problem.num_seqs > EXACT_ITEMS:  # every sequence whole, many: one-rank bags, quickly
         whole = lambda p: solve_bags(p, f"g1n{p.num_ranks}", quick=True, max_iters=QUICK_ITERS)  # noqa: E731
     else:
         whole = lambda p: solve_bags(p, f"g1n{p.num_ranks}")  # noqa: E731
-    return place(problem, costs, pick, whole_plan=whole)
+    plan = place(problem, costs, pick, whole_plan=whole, unstack_to=unstack_to)
+    if plan is not None and picked is not None:
+        picked[id(plan)] = pick
+    return plan
 
 
 def _fixed_candidates(problem: PlanProblem, specs: list[str], **kw) -> list[Plan]:
@@ -163,23 +186,34 @@ def solve_moldable(problem: PlanProblem, *, time_budget_s: float | None = None) 
     later = n_alpha == 2 and not extra
     alphas = ALPHAS[1 : 1 if later else n_alpha]
     runs = [(None, lb * ALPHAS[0])] + [(plain if a >= ALPHAS[1] else in_node, lb * a) for a in alphas]
-    ringed = not bool(plain[first].all())
+    # (the least-total degrees can want a ring where the smallest do not: Wan-14B's 40-rank
+    # Ulysses group against 6 rings of 8 on 48 ranks)
+    lean = n <= 2048  # (on more sequences each candidate costs ~0.1 s at 4,096 ranks)
+    ringed = not bool(plain[first].all() and (not lean or plain[costs.picks(lb * ALPHAS[0], least_total=True)].all()))
     if ringed and n_alpha < 2:  # the ring runs below pick beyond a node for targets down to α = 1/8
         costs = member_costs(problem, floor, lb * min(ALPHAS[:2]))
     if ringed and n <= 2048:  # a sequence wants a ring: its Ulysses-only twin, and rings as wide as pays
         runs += [(plain, lb * ALPHAS[0]), (None, lb * ALPHAS[1])]
     picks = [costs.picks(t, allow) for allow, t in runs]
-    candidates = [p for pick in picks if (p := _candidate(problem, costs, pick)) is not None]
+    picked: dict[int, np.ndarray] = {}
+    # where a wider degree costs less in all than the smallest that fits (a group wider than a
+    # node run as one Ulysses group, beside a wider ring): the runs again with the least-total
+    # degrees, up to 2,048 sequences
+    for allow, t in runs if lean else ():
+        least = costs.picks(t, allow, least_total=True)
+        if not any((least == q).all() for q in picks):
+            picks.append(least)
+    candidates = [p for pick in picks if (p := _candidate(problem, costs, pick, picked)) is not None]
     loose = bool(candidates) and min(candidates, key=lambda p: p.makespan).imbalance_after > _LOOSE
     if later and (loose or not candidates):
         picks.append(costs.picks(lb * ALPHAS[1], plain))
         if not any((picks[-1] == q).all() for q in picks[:-1]):
-            if (p := _candidate(problem, costs, picks[-1])) is not None:
+            if (p := _candidate(problem, costs, picks[-1], picked)) is not None:
                 candidates.append(p)
         loose = bool(candidates) and min(candidates, key=lambda p: p.makespan).imbalance_after > _LOOSE
     fine = _fine_picks(problem, costs, lb, first, node) if loose else None
     if fine is not None and not any((fine == p).all() for p in picks):
-        if (p := _candidate(problem, costs, fine)) is not None:
+        if (p := _candidate(problem, costs, fine, picked)) is not None:
             candidates.append(p)
     candidates += _fixed_candidates(problem, fixed)
     if loose and not ringed and problem.num_ranks > FIXED_ALL_UP_TO:  # the layout a user would pick
@@ -189,7 +223,7 @@ def solve_moldable(problem: PlanProblem, *, time_budget_s: float | None = None) 
         Darr = np.asarray(D)
         finer = costs.picks(lb * _FINER)
         mixed = np.where((Darr[first] <= node) & (Darr[finer] <= node), finer, first)
-        if (mixed != first).any() and (p := _candidate(problem, costs, mixed)) is not None:
+        if (mixed != first).any() and (p := _candidate(problem, costs, mixed, picked)) is not None:
             candidates.append(p)
     reached = min((p.makespan for p in candidates), default=np.inf)
     unfit = not costs.all_fit(lb * ALPHAS[0])
@@ -203,7 +237,7 @@ def solve_moldable(problem: PlanProblem, *, time_budget_s: float | None = None) 
             if any((picks == t).all() for t in tried):
                 continue
             tried.append(picks)
-            if (p := _candidate(problem, costs, picks)) is not None:
+            if (p := _candidate(problem, costs, picks, picked)) is not None:
                 candidates.append(p)
     if ringed and n <= 2048:  # the published hybrid-CP allotment at caps around the longest's degree
         from knapformer.plan.solvers.hybrid_cp import hybrid_cp_caps, hybrid_cp_plan
@@ -214,6 +248,13 @@ def solve_moldable(problem: PlanProblem, *, time_budget_s: float | None = None) 
                 object.__setattr__(p, "solver", "moldable")
                 candidates.append(p)
     reached = min((p.makespan for p in candidates), default=np.inf)
+    moldable = [p for p in candidates if id(p) in picked]  # (the candidates hold their plans alive)
+    if moldable and reached > problem.lower_bound * (1 + _UNSTACK_ABOVE):
+        # far from the bound: the best moldable candidate again, its split sequences unstacked
+        mine = min(moldable, key=lambda p: p.makespan)
+        if (p := _candidate(problem, costs, picked[id(mine)], unstack_to=problem.lower_bound)) is not None:
+            candidates.append(p)
+            reached = min(reached, p.makespan)
     if problem.num_ranks > FIXED_ALL_UP_TO:  # the uniform layouts that can still win (their bounds)
         done = {len(p.groups[0]) for p in candidates if p.is_partition and len({len(g) for g in p.groups}) == 1}
         candidates += uniform_candidates(problem, reached, quick=n > 256, skip=done)

@@ -25,6 +25,7 @@ from knapformer.plan.solvers.blocks import Blocks, block_members
 from knapformer.plan.solvers.lpt import lpt_fill
 from knapformer.plan.solvers.member_costs import MemberCosts
 from knapformer.plan.solvers.refine import local_search, settle_home
+from knapformer.plan.solvers.unstack import unstack
 
 __all__ = ["FAST_BLOCKS", "ROUNDS_FROM", "place"]
 
@@ -43,13 +44,13 @@ _SLOTS = 4  # slots per block and round of the batched placement
 
 
 def _split(problem: PlanProblem, degree: np.ndarray, c: np.ndarray, load: np.ndarray, tok: np.ndarray):
-    """Step 1 (module docstring), in place on ``load``/``tok``; returns (groups, seq_group)
-    or None when the memory cap leaves no block for some sequence."""
+    """Step 1 (module docstring), in place on ``load``/``tok``; returns each split sequence's
+    first rank (its group: ``degree`` consecutive ranks from there; -1 for whole sequences)
+    and the split sequences in the order they were placed, or None when the memory cap leaves
+    no block for some sequence."""
     S, n = problem.num_ranks, problem.num_seqs
     speed, cap, L = problem.speed, problem.max_tokens_per_rank, problem.lengths
-    groups: list[tuple[int, ...]] = [(r,) for r in range(S)]
-    index_of: dict[tuple[int, ...], int] = {}
-    seq_group = np.zeros(n, dtype=np.int64)
+    first_rank = np.full(n, -1, dtype=np.int64)
     multi = np.flatnonzero(degree > 1)
     multi = multi[np.argsort(-c[multi], kind="stable")]
     home = problem.src_rank
@@ -82,8 +83,7 @@ def _split(problem: PlanProblem, degree: np.ndarray, c: np.ndarray, load: np.nda
             b = blocks.best(k, c[g], need, int(home[g]))
             if b < 0:
                 return None
-            first = blocks.first_rank(k, b)
-            members = tuple(range(first, first + k))
+            lo = blocks.first_rank(k, b)
             blocks.add(k, b, c[g], need)
         else:
             B = members_of[k]
@@ -96,19 +96,31 @@ def _split(problem: PlanProblem, degree: np.ndarray, c: np.ndarray, load: np.nda
             near = np.flatnonzero(finish <= best * (1 + 1e-12))
             at_home = near[(B[near] == home[g]).any(axis=1)]
             b = int(at_home[0] if at_home.size else near[0])
-            members = tuple(int(r) for r in B[b])
-        load[list(members)] += c[g]
-        tok[list(members)] += need
-        if members not in index_of:
-            index_of[members] = len(groups)
-            groups.append(members)
-        seq_group[g] = index_of[members]
+            lo = int(B[b, 0])
+        load[lo : lo + k] += c[g]
+        tok[lo : lo + k] += need
+        first_rank[g] = lo
     if bulk.size:
-        _rounds(bulk, degree, c, load, groups, index_of, seq_group)
+        _rounds(bulk, degree, c, load, first_rank)
+    return first_rank, np.concatenate([multi, bulk])
+
+
+def _groups(S: int, degree: np.ndarray, first_rank: np.ndarray, order) -> tuple[list[tuple[int, ...]], np.ndarray]:
+    """(groups, seq_group) of a placement: every rank alone (whole sequences), then each block
+    some split sequence runs on, once, in the order of ``order`` (the split sequences)."""
+    groups: list[tuple[int, ...]] = [(r,) for r in range(S)]
+    index_of: dict[tuple[int, int], int] = {}
+    seq_group = np.zeros(degree.size, dtype=np.int64)
+    for g in order.tolist():
+        key = (int(first_rank[g]), int(degree[g]))
+        if key not in index_of:
+            index_of[key] = len(groups)
+            groups.append(tuple(range(key[0], key[0] + key[1])))
+        seq_group[g] = index_of[key]
     return groups, seq_group
 
 
-def _rounds(items, degree, c, load, groups, index_of, seq_group) -> None:
+def _rounds(items, degree, c, load, first_rank) -> None:
     """Batched LPT of many split sequences onto aligned blocks, in place: widest degree first;
     per degree, rounds of as many sequences as it has blocks. A block offers ``_SLOTS`` slots
     per round at its busiest member's load plus (j + ½) mean sequences, and the costliest
@@ -129,18 +141,18 @@ def _rounds(items, degree, c, load, groups, index_of, seq_group) -> None:
             order = np.lexsort((np.arange(finish.size), finish))[: batch.size]  # earliest slots
             target = slot_block[order]
             np.add.at(view, target, c[batch][:, None])
-            for g, b in zip(batch.tolist(), target.tolist()):
-                members = tuple(range(b * k, (b + 1) * k))
-                if members not in index_of:
-                    index_of[members] = len(groups)
-                    groups.append(members)
-                seq_group[g] = index_of[members]
+            first_rank[batch] = target * k
 
 
-def place(problem: PlanProblem, costs: MemberCosts, pick: np.ndarray, *, whole_plan) -> Plan | None:
+def place(
+    problem: PlanProblem, costs: MemberCosts, pick: np.ndarray, *, whole_plan, unstack_to: float | None = None
+) -> Plan | None:
     """The plan of ``pick`` (each sequence's degree, an index into ``costs.D``; module
     docstring), or None when the memory cap leaves no room. ``whole_plan(problem)``: the plan
-    when every sequence stays whole (the one-rank-bags problem, solved by the caller)."""
+    when every sequence stays whole (the one-rank-bags problem, solved by the caller).
+    ``unstack_to``: after step 1, move split sequences off ranks above this time
+    (:func:`~knapformer.plan.solvers.unstack.unstack`; their degrees may change); None when
+    no move was made."""
     S, n = problem.num_ranks, problem.num_seqs
     degree = np.asarray(costs.D, dtype=np.int64)[pick]
     if not (degree > 1).any():  # every sequence whole: exactly the one-rank-bags problem
@@ -151,7 +163,10 @@ def place(problem: PlanProblem, costs: MemberCosts, pick: np.ndarray, *, whole_p
     split = _split(problem, degree, c, load, tok)
     if split is None:
         return None
-    groups, seq_group = split
+    first_rank, order = split
+    if unstack_to is not None and not unstack(problem, costs, degree, c, load, tok, first_rank, unstack_to):
+        return None  # nothing moved: the plan without unstacking, which the caller has
+    groups, seq_group = _groups(S, degree, first_rank, order)
     # whole sequences: LPT over single ranks (the problem's bags are the ranks), then local search
     base_load, base_tok = load.copy(), tok.copy()
     order = problem.by_work
