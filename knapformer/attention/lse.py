@@ -54,7 +54,6 @@ __all__ = [
 _HALF = (torch.float16, torch.bfloat16)
 
 
-
 @dataclass(frozen=True)
 class LseKernel:
     """One block kernel with its log-sum-exp (see module docstring)."""

@@ -152,7 +152,9 @@ def size_costs(
     (giant mix, 256 ranks: 1.076 → 1.104 of that weaker bound on two of three steps).
     ``exposed=False`` leaves the ring exchanges out: a proof (the uniform layouts' pruning
     uses it for ring sizes: a 16-rank uniform ring plan came 2% under the ring-priced figure)."""
-    return _combine(_size_parts(problem, sizes, L, fastest, exposed=exposed), jitter)
+    Lu, inv = np.unique(L, return_inverse=True)  # priced once per distinct length
+    per, total = _combine(_size_parts(problem, sizes, Lu, fastest, exposed=exposed), jitter)
+    return per[:, inv], total[:, inv]
 
 
 def _size_parts(problem: BoundInput, sizes, L: np.ndarray, fastest: float, *, exposed: bool = True):

@@ -7,6 +7,7 @@ offer, and :func:`matched_layouts` picks the few whose bag shares match a step's
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import numpy as np
@@ -84,9 +85,14 @@ def matched_layouts(problem: PlanProblem, costs: MemberCosts, pick: np.ndarray, 
 
 def fits_nodes(problem: PlanProblem, spec: str) -> bool:
     """No bag of ``spec`` straddles a node (with a link model; bags are contiguous)."""
-    if problem.link is None:
-        return True
-    gpn, start = problem.link.gpus_per_node, 0
+    return problem.link is None or _fits(problem.link.gpus_per_node, spec)
+
+
+@functools.lru_cache(maxsize=4096)
+def _fits(gpn: int, spec: str) -> bool:
+    """:func:`fits_nodes` for ``gpn`` GPUs per node (cached: the planner asks of the same few
+    layouts every step, and a 4,096-rank spec walks 4,096 bags)."""
+    start = 0
     for k, n in spec_terms(spec):
         for _ in range(n):
             if start // gpn != (start + k - 1) // gpn:

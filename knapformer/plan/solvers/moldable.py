@@ -28,10 +28,11 @@ best wins, ties going to fewer tokens moved but never above the best bag-layout 
 
 - α = 1: the degree picks at the bound (steps 1–3), and, when that packs the ranks more than
   :data:`_LOOSE` unevenly, α = 1/8 ("split more", Ulysses degrees only) up to 2,048 sequences;
-- when that packs the ranks more than :data:`_LOOSE` unevenly, the *fine* candidate — inside a
-  node, split every sequence whose whole cost exceeds :data:`_FINE` of the bound, keep the
-  rest whole — and, without rings, the menu layouts whose bag shares match the α = 1 degrees
-  (:func:`matched_layouts`). On realistic image + video steps the α = 1 picks left split
+- when that packs the ranks more than :data:`_LOOSE` unevenly: without rings, the menu
+  layouts whose bag shares match the α = 1 degrees (:func:`matched_layouts`), and then, if
+  the best is still more than :data:`_FINE_ABOVE` above the bound, the *fine* candidate —
+  inside a node, split every sequence whose whole cost exceeds :data:`_FINE` of the bound,
+  keep the rest whole. On realistic image + video steps the α = 1 picks left split
   chunks of 50–95% of the target (two cannot share a rank; whole sequences near the target
   then found no empty rank, and local search moves only whole sequences): 1.1–1.36× the
   bound where static Ulysses-8 reached 1.04×. The fine candidate splits what must be split
@@ -41,14 +42,14 @@ best wins, ties going to fewer tokens moved but never above the best bag-layout 
   sequences);
 - the uniform layouts a team configures by hand (``g{k}n{S/k}``, :mod:`.uniform`), each
   planned by the default solver only while its lower bound says it can still beat the best
-  plan by more than 0.2% — so ``auto`` is never predicted more than that (and the quicker
-  LPT's difference, under 0.2% on the benchmark mixes) above any of them; up to 16 ranks every
+  plan by more than 0.3% — so ``auto`` is never predicted more than that (and the quicker
+  LPT's difference, under 0.1% on the benchmark mixes) above any of them; up to 16 ranks every
   bag layout of the allowed sizes (uniform and mixed);
 - every sequence at home, when that can win;
 - up to 2,048 sequences, the runs above again with the least-total degrees that fit, where
   they differ from the smallest (step 1);
-- when the best is still more than :data:`_UNSTACK_ABOVE` above the bound: the best moldable
-  candidate placed again with its split sequences moved off the busiest ranks
+- when the best is still more than :data:`_UNSTACK_ABOVE` above the bound and a moldable
+  candidate: that one placed again with its split sequences moved off the busiest ranks
   (:mod:`~knapformer.plan.solvers.unstack`; long-tailed 512-GPU steps stacked two 300k-token
   rings on one block: 1.13× the bound, 1.04× after).
 
@@ -112,6 +113,11 @@ ranks with three of them at 1.10× the bound; split for a quarter of it: 1.08×.
 _UNSTACK_ABOVE = 0.04
 """When the best candidate is more than this above the bound, the best moldable one is placed
 again with its split sequences unstacked (:mod:`~knapformer.plan.solvers.unstack`)."""
+_FINE_ABOVE = 0.045
+"""The fine candidate is planned only while the best so far (the matched layouts included) is
+more than this above the bound: on the paper's joint mix the matched layout reached 1.041–
+1.045× and the fine one lost (1.06×) in 13% of the planning time; on the realistic mix
+skipping it moved one step of twelve by 0.09%."""
 _FINE = 1 / 32
 """The fine candidate splits, inside a node, every sequence whose whole cost exceeds this share
 of the bound (module docstring)."""
@@ -211,14 +217,15 @@ def solve_moldable(problem: PlanProblem, *, time_budget_s: float | None = None) 
             if (p := _candidate(problem, costs, picks[-1], picked)) is not None:
                 candidates.append(p)
         loose = bool(candidates) and min(candidates, key=lambda p: p.makespan).imbalance_after > _LOOSE
-    fine = _fine_picks(problem, costs, lb, first, node) if loose else None
-    if fine is not None and not any((fine == p).all() for p in picks):
-        if (p := _candidate(problem, costs, fine, picked)) is not None:
-            candidates.append(p)
     candidates += _fixed_candidates(problem, fixed)
     if loose and not ringed and problem.num_ranks > FIXED_ALL_UP_TO:  # the layout a user would pick
         matched = [s for s in matched_layouts(problem, costs, first, 2 if n <= 2048 else 1) if s not in fixed]
         candidates += _fixed_candidates(problem, matched, quick=n > 2048, max_iters=100 if n > HEAP_ITEMS else None)
+    far = min((p.makespan for p in candidates), default=np.inf) > problem.lower_bound * (1 + _FINE_ABOVE)
+    fine = _fine_picks(problem, costs, lb, first, node) if loose and far else None
+    if fine is not None and not any((fine == p).all() for p in picks):
+        if (p := _candidate(problem, costs, fine, picked)) is not None:
+            candidates.append(p)
     if loose and ringed:  # coarse whole sequences beside ring groups: split them finer inside nodes
         Darr = np.asarray(D)
         finer = costs.picks(lb * _FINER)
@@ -249,9 +256,10 @@ def solve_moldable(problem: PlanProblem, *, time_budget_s: float | None = None) 
                 candidates.append(p)
     reached = min((p.makespan for p in candidates), default=np.inf)
     moldable = [p for p in candidates if id(p) in picked]  # (the candidates hold their plans alive)
-    if moldable and reached > problem.lower_bound * (1 + _UNSTACK_ABOVE):
-        # far from the bound: the best moldable candidate again, its split sequences unstacked
-        mine = min(moldable, key=lambda p: p.makespan)
+    mine = min(moldable, key=lambda p: p.makespan) if moldable else None
+    if mine is not None and mine.makespan <= reached and reached > problem.lower_bound * (1 + _UNSTACK_ABOVE):
+        # far from the bound, and no bag layout did better: the best moldable candidate again,
+        # its split sequences unstacked
         if (p := _candidate(problem, costs, picked[id(mine)], unstack_to=problem.lower_bound)) is not None:
             candidates.append(p)
             reached = min(reached, p.makespan)
