@@ -176,9 +176,7 @@ def _check_step(
     )
     for causal in (False, True):
         ref = reference_attention(q, k, v, lens, causal=causal)[mine]
-        out = bal.reverse_route(
-            bal.attention(*bal.route(*(t[mine].to(dt) for t in (q, k, v))), causal=causal)
-        ).double()
+        out = bal.reverse_route(bal.attention(*bal.route(*(t[mine].to(dt) for t in (q, k, v))), causal=causal)).double()
         _close(out, ref, f"step {step} attention causal={causal}", tol)
     # -- the custom-kernel path: pre_attn -> one varlen call -> post_attn (ring plans: K/V all-gathered)
     if custom_kernel:
