@@ -81,7 +81,7 @@ from knapformer.plan.solvers.menu import (
     layout_menu,
     matched_layouts,
 )
-from knapformer.plan.solvers.placement import place
+from knapformer.plan.solvers.placement import SplitStage, place
 from knapformer.plan.solvers.uniform import QUICK_ITERS, solve_bags, uniform_candidates
 
 __all__ = [
@@ -126,20 +126,19 @@ of the bound (module docstring)."""
 def _candidate(
     problem: PlanProblem,
     costs: MemberCosts,
-    pick: np.ndarray,
-    picked: dict | None = None,
+    pick: np.ndarray | None,
+    stages: dict | None = None,
+    from_stage: SplitStage | None = None,
     unstack_to: float | None = None,
 ) -> Plan | None:
-    """The plan of ``pick`` (:func:`~knapformer.plan.solvers.placement.place`); ``picked``
-    records it under the plan's id, for :data:`_UNSTACK_ABOVE`."""
+    """The plan of ``pick`` (:func:`~knapformer.plan.solvers.placement.place`); ``stages``
+    records its split placement under the plan's id, for :data:`_UNSTACK_ABOVE`, which
+    starts ``from_stage``."""
     if problem.num_seqs > EXACT_ITEMS:  # every sequence whole, many: one-rank bags, quickly
         whole = lambda p: solve_bags(p, f"g1n{p.num_ranks}", quick=True, max_iters=QUICK_ITERS)  # noqa: E731
     else:
         whole = lambda p: solve_bags(p, f"g1n{p.num_ranks}")  # noqa: E731
-    plan = place(problem, costs, pick, whole_plan=whole, unstack_to=unstack_to)
-    if plan is not None and picked is not None:
-        picked[id(plan)] = pick
-    return plan
+    return place(problem, costs, pick, whole_plan=whole, stages=stages, from_stage=from_stage, unstack_to=unstack_to)
 
 
 def _fixed_candidates(problem: PlanProblem, specs: list[str], **kw) -> list[Plan]:
@@ -201,7 +200,7 @@ def solve_moldable(problem: PlanProblem, *, time_budget_s: float | None = None) 
     if ringed and n <= 2048:  # a sequence wants a ring: its Ulysses-only twin, and rings as wide as pays
         runs += [(plain, lb * ALPHAS[0]), (None, lb * ALPHAS[1])]
     picks = [costs.picks(t, allow) for allow, t in runs]
-    picked: dict[int, np.ndarray] = {}
+    picked: dict[int, SplitStage] = {}  # each moldable candidate's split placement, by plan id
     # where a wider degree costs less in all than the smallest that fits (a group wider than a
     # node run as one Ulysses group, beside a wider ring): the runs again with the least-total
     # degrees, up to 2,048 sequences
@@ -260,7 +259,9 @@ def solve_moldable(problem: PlanProblem, *, time_budget_s: float | None = None) 
     if mine is not None and mine.makespan <= reached and reached > problem.lower_bound * (1 + _UNSTACK_ABOVE):
         # far from the bound, and no bag layout did better: the best moldable candidate again,
         # its split sequences unstacked
-        if (p := _candidate(problem, costs, picked[id(mine)], unstack_to=problem.lower_bound)) is not None:
+        if (
+            p := _candidate(problem, costs, None, from_stage=picked[id(mine)], unstack_to=problem.lower_bound)
+        ) is not None:
             candidates.append(p)
             reached = min(reached, p.makespan)
     if problem.num_ranks > FIXED_ALL_UP_TO:  # the uniform layouts that can still win (their bounds)

@@ -16,6 +16,9 @@ ranks and fill the ranks around them with the whole ones (the ``auto`` planner's
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import numpy as np
 
 from knapformer.plan.member_comm import route_home_estimate
@@ -27,7 +30,7 @@ from knapformer.plan.solvers.member_costs import MemberCosts
 from knapformer.plan.solvers.refine import local_search, settle_home
 from knapformer.plan.solvers.unstack import unstack
 
-__all__ = ["FAST_BLOCKS", "ROUNDS_FROM", "place"]
+__all__ = ["FAST_BLOCKS", "ROUNDS_FROM", "SplitStage", "place"]
 
 FAST_BLOCKS = True
 """Choose blocks from maintained block maxima when every rank is equally fast (:class:`Blocks`);
@@ -144,29 +147,72 @@ def _rounds(items, degree, c, load, first_rank) -> None:
             first_rank[batch] = target * k
 
 
+@dataclass(frozen=True)
+class SplitStage:
+    """A placement after step 1: each sequence's degree and per-member cost, the split ones'
+    first ranks and placing order, the ranks' load and tokens. Kept so that the moldable
+    planner can unstack its best candidate (:func:`place`'s ``from_stage``) without placing
+    the split sequences again."""
+
+    degree: np.ndarray
+    c: np.ndarray
+    load: np.ndarray
+    tok: np.ndarray
+    first_rank: np.ndarray
+    order: np.ndarray
+
+    def copy(self) -> SplitStage:
+        return SplitStage(*(np.array(a, copy=True) for a in dataclasses.astuple(self)))
+
+
 def place(
-    problem: PlanProblem, costs: MemberCosts, pick: np.ndarray, *, whole_plan, unstack_to: float | None = None
+    problem: PlanProblem,
+    costs: MemberCosts,
+    pick: np.ndarray,
+    *,
+    whole_plan,
+    stages: dict | None = None,
+    from_stage: SplitStage | None = None,
+    unstack_to: float | None = None,
 ) -> Plan | None:
     """The plan of ``pick`` (each sequence's degree, an index into ``costs.D``; module
     docstring), or None when the memory cap leaves no room. ``whole_plan(problem)``: the plan
     when every sequence stays whole (the one-rank-bags problem, solved by the caller).
-    ``unstack_to``: after step 1, move split sequences off ranks above this time
-    (:func:`~knapformer.plan.solvers.unstack.unstack`; their degrees may change); None when
-    no move was made."""
+    ``stages``: records the step-1 placement (:class:`SplitStage`) under the plan's id.
+    ``from_stage`` and ``unstack_to``: start from that stage and move split sequences off
+    ranks above this time (:func:`~knapformer.plan.solvers.unstack.unstack`; their degrees
+    may change); None when no move was made."""
+    S = problem.num_ranks
+    if from_stage is not None:
+        st = from_stage.copy()
+        if unstack_to is None or not unstack(
+            problem, costs, st.degree, st.c, st.load, st.tok, st.first_rank, unstack_to
+        ):
+            return None  # nothing moved: the plan without unstacking, which the caller has
+    else:
+        degree = np.asarray(costs.D, dtype=np.int64)[pick]
+        if not (degree > 1).any():  # every sequence whole: exactly the one-rank-bags problem
+            return whole_plan(problem)
+        c = costs.member(pick)
+        load = np.zeros(S)  # work units per rank (time = load / speed)
+        tok = np.zeros(S, dtype=np.int64)
+        split = _split(problem, degree, c, load, tok)
+        if split is None:
+            return None
+        st = SplitStage(degree, c, load, tok, *split)
+        stage = st.copy() if stages is not None else None
+    plan = _finish(problem, st)
+    if from_stage is None and plan is not None and stages is not None:
+        stages[id(plan)] = stage
+    return plan
+
+
+def _finish(problem: PlanProblem, st: SplitStage) -> Plan | None:
+    """Steps 2 and 3 (module docstring) after the split sequences' placement ``st`` (its
+    load and tokens are filled in place)."""
     S, n = problem.num_ranks, problem.num_seqs
-    degree = np.asarray(costs.D, dtype=np.int64)[pick]
-    if not (degree > 1).any():  # every sequence whole: exactly the one-rank-bags problem
-        return whole_plan(problem)
-    c = costs.member(pick)
-    load = np.zeros(S)  # work units per rank (time = load / speed)
-    tok = np.zeros(S, dtype=np.int64)
-    split = _split(problem, degree, c, load, tok)
-    if split is None:
-        return None
-    first_rank, order = split
-    if unstack_to is not None and not unstack(problem, costs, degree, c, load, tok, first_rank, unstack_to):
-        return None  # nothing moved: the plan without unstacking, which the caller has
-    groups, seq_group = _groups(S, degree, first_rank, order)
+    degree, load, tok = st.degree, st.load, st.tok
+    groups, seq_group = _groups(S, degree, st.first_rank, st.order)
     # whole sequences: LPT over single ranks (the problem's bags are the ranks), then local search
     base_load, base_tok = load.copy(), tok.copy()
     order = problem.by_work
