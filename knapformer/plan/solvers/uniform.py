@@ -193,7 +193,8 @@ def uniform_candidates(problem: PlanProblem, best: float, *, quick: bool = False
     the bar for the next. ``quick``: the LPT start alone, at most :data:`QUICK_ITERS`
     local-search iterations; ``skip``: sizes already planned."""
     S = problem.num_ranks
-    bounds = sorted((uniform_bound(problem, k, best), k) for k in uniform_sizes(problem) if k not in skip)
+    bar = best / (1 + UNIFORM_SLACK)  # a bound at or above this prunes: stop computing it there
+    bounds = sorted((uniform_bound(problem, k, bar), k) for k in uniform_sizes(problem) if k not in skip)
     out = []
     for bound, k in bounds:
         if bound * (1 + UNIFORM_SLACK) >= best:
