@@ -23,8 +23,9 @@ is already above the best static plan found, so the minimum is exact) priced by 
 Columns: ``auto/static`` = auto's predicted step ÷ the best static layout's on that step
 (worst step and geometric mean over steps); ``auto/bound`` = auto's makespan ÷
 ``PlanProblem.lower_bound``; plan ms = warm wall time of ``auto`` (one call on the first step
-first), median and worst over the steps, and the median process CPU time (what the machine's
-load does not inflate). Predictions of the cost model, not GPU measurements.
+first; per step the median of ``--repeats`` plans), median and worst over the steps, and the
+median process CPU time (what other processes' load does not inflate; this VM's own speed
+drifts, which the repeats' median damps). Predictions of the cost model, not GPU measurements.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def best_static(lens, shape, hw, cost, link) -> tuple[float, str]:
     return best, spec_best
 
 
-def run_config(mix: str, model: str, gpus: int, num_steps: int) -> dict:
+def run_config(mix: str, model: str, gpus: int, num_steps: int, repeats: int = 3) -> dict:
     hw = hardware("h100")
     steps, context = steps_of(mix, model, gpus, num_steps)
     shape = ModelShape.from_config(model_config(model)).with_context(context)
@@ -94,10 +95,14 @@ def run_config(mix: str, model: str, gpus: int, num_steps: int) -> dict:
     plan_sequences(steps[0], "auto", cost, link=link)  # warm-up
     ratios, bounds, ms, cpu, auto_s, static_s, layouts, per_rank = [], [], [], [], [], [], [], []
     for lens in steps:
-        t0, c0 = time.perf_counter(), time.process_time()
-        plan = plan_sequences(lens, "auto", cost, link=link)
-        ms.append(1e3 * (time.perf_counter() - t0))
-        cpu.append(1e3 * (time.process_time() - c0))
+        walls, cpus = [], []
+        for _ in range(repeats):  # this VM's speed drifts: the median of warm repeats per step
+            t0, c0 = time.perf_counter(), time.process_time()
+            plan = plan_sequences(lens, "auto", cost, link=link)
+            walls.append(1e3 * (time.perf_counter() - t0))
+            cpus.append(1e3 * (time.process_time() - c0))
+        ms.append(statistics.median(walls))
+        cpu.append(statistics.median(cpus))
         a = predict_step(plan, shape, hw).step_s
         s, spec = best_static(lens, shape, hw, cost, link)
         ratios.append(a / s)
@@ -134,13 +139,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--mixes", nargs="+", default=MIXES, choices=MIXES)
     ap.add_argument("--models", nargs="+", default=MODELS)
+    ap.add_argument("--repeats", type=int, default=3, help="warm plans per step (their median is quoted)")
     ap.add_argument("--out", default="runs/bench/realistic_mix.json")
     args = ap.parse_args()
     rows = []
     for mix in args.mixes:
         for model in args.models:
             for gpus in args.gpus:
-                rows.append(run_config(mix, model, gpus, args.steps))
+                rows.append(run_config(mix, model, gpus, args.steps, args.repeats))
                 print(".", end="", flush=True)
     print()
     print_table(
@@ -161,7 +167,7 @@ def main() -> None:
             ("cpu_ms_median", ".0f"),
         ],
     )
-    write_json(args.out, rows, steps=args.steps, hardware="h100", budget=65_536)
+    write_json(args.out, rows, steps=args.steps, repeats=args.repeats, hardware="h100", budget=65_536)
 
 
 if __name__ == "__main__":
