@@ -7,9 +7,10 @@ clip on 96 ranks, 72-, 64- and 32-rank groups for the next ones, 24- and 16-rank
 hundred 8-rank groups on 512 GPUs) the last rings found every block half full and two
 300k-token sequences shared one 16-rank ring: its members held 1.13× the lower bound before
 any whole sequence was placed, and no move of whole sequences can undo that. A move here
-takes a sequence on the busiest rank, tries every degree from half to twice its own, on the
-block that finishes earliest without it, and keeps the best when that block ends below the rank's
-load. Greedy and bounded (:data:`MAX_MOVES`), so it only runs where a plan is far from its
+takes a sequence on the busiest rank, tries it at every degree up to a node and about two per
+doubling beyond (:func:`_ladder`), each on the block that finishes earliest without it, and
+keeps the best when that block ends below the rank's load. Greedy and bounded
+(:data:`MAX_MOVES`); the moldable planner runs it only where its best plan is far from the
 bound (:mod:`~knapformer.plan.solvers.moldable`).
 """
 
@@ -97,6 +98,8 @@ def unstack(
         on = multi[(first[multi] <= r) & (r < first[multi] + degree[multi])]
         best = None
         for g in on[np.argsort(-c[on], kind="stable")][:_TRIED].tolist():
+            if col[g] < 0:  # priced whole only (never split by a pick): nothing to try
+                continue
             row = costs.wide[:, wide[g]] if wide[g] >= 0 else costs.near[:, col[g]]
             lo, k0 = int(first[g]), int(degree[g])
             load[lo : lo + k0] -= c[g]
