@@ -202,7 +202,7 @@ def solve_moldable(problem: PlanProblem, *, time_budget_s: float | None = None) 
     if ringed and n <= 2048:  # a sequence wants a ring: its Ulysses-only twin, and rings as wide as pays
         runs += [(plain, lb * ALPHAS[0]), (None, lb * ALPHAS[1])]
     picks = [costs.picks(t, allow) for allow, t in runs]
-    picked: dict[int, SplitStage] = {}  # each moldable candidate's split placement, by plan id
+    stages: dict[int, SplitStage] = {}  # each moldable candidate's split placement, by plan id
     # where a wider degree costs less in all than the smallest that fits (a group wider than a
     # node run as one Ulysses group, beside a wider ring): the runs again with the least-total
     # degrees, up to 2,048 sequences
@@ -210,12 +210,12 @@ def solve_moldable(problem: PlanProblem, *, time_budget_s: float | None = None) 
         least = costs.picks(t, allow, least_total=True)
         if not any((least == q).all() for q in picks):
             picks.append(least)
-    candidates = [p for pick in picks if (p := _candidate(problem, costs, pick, picked)) is not None]
+    candidates = [p for pick in picks if (p := _candidate(problem, costs, pick, stages)) is not None]
     loose = bool(candidates) and min(candidates, key=lambda p: p.makespan).imbalance_after > _LOOSE
     if later and (loose or not candidates):
         picks.append(costs.picks(lb * ALPHAS[1], plain))
         if not any((picks[-1] == q).all() for q in picks[:-1]):
-            if (p := _candidate(problem, costs, picks[-1], picked)) is not None:
+            if (p := _candidate(problem, costs, picks[-1], stages)) is not None:
                 candidates.append(p)
         loose = bool(candidates) and min(candidates, key=lambda p: p.makespan).imbalance_after > _LOOSE
     candidates += _fixed_candidates(problem, fixed)
@@ -225,14 +225,14 @@ def solve_moldable(problem: PlanProblem, *, time_budget_s: float | None = None) 
     far = min((p.makespan for p in candidates), default=np.inf) > problem.lower_bound * (1 + _FINE_ABOVE)
     fine = _fine_picks(problem, costs, lb, first, node) if loose and far else None
     if fine is not None and not any((fine == p).all() for p in picks):
-        if (p := _candidate(problem, costs, fine, picked)) is not None:
+        if (p := _candidate(problem, costs, fine, stages)) is not None:
             candidates.append(p)
     far = min((p.makespan for p in candidates), default=np.inf) > problem.lower_bound * (1 + _FINE_ABOVE)
     if loose and ringed and far:  # coarse whole sequences beside ring groups: split them finer inside nodes
         Darr = np.asarray(D)
         finer = costs.picks(lb * _FINER)
         mixed = np.where((Darr[first] <= node) & (Darr[finer] <= node), finer, first)
-        if (mixed != first).any() and (p := _candidate(problem, costs, mixed, picked)) is not None:
+        if (mixed != first).any() and (p := _candidate(problem, costs, mixed, stages)) is not None:
             candidates.append(p)
     reached = min((p.makespan for p in candidates), default=np.inf)
     unfit = not costs.all_fit(lb * ALPHAS[0])
@@ -246,7 +246,7 @@ def solve_moldable(problem: PlanProblem, *, time_budget_s: float | None = None) 
             if any((picks == t).all() for t in tried):
                 continue
             tried.append(picks)
-            if (p := _candidate(problem, costs, picks, picked)) is not None:
+            if (p := _candidate(problem, costs, picks, stages)) is not None:
                 candidates.append(p)
     if ringed and n <= 2048:  # the published hybrid-CP allotment at caps around the longest's degree
         from knapformer.plan.solvers.hybrid_cp import hybrid_cp_caps, hybrid_cp_plan
@@ -257,13 +257,13 @@ def solve_moldable(problem: PlanProblem, *, time_budget_s: float | None = None) 
                 object.__setattr__(p, "solver", "moldable")
                 candidates.append(p)
     reached = min((p.makespan for p in candidates), default=np.inf)
-    moldable = [p for p in candidates if id(p) in picked]  # (the candidates hold their plans alive)
+    moldable = [p for p in candidates if id(p) in stages]  # (the candidates hold their plans alive)
     mine = min(moldable, key=lambda p: p.makespan) if moldable else None
     if mine is not None and mine.makespan <= reached and reached > problem.lower_bound * (1 + _UNSTACK_ABOVE):
         # far from the bound, and no bag layout did better: the best moldable candidate again,
         # its split sequences unstacked
         if (
-            p := _candidate(problem, costs, None, from_stage=picked[id(mine)], unstack_to=problem.lower_bound)
+            p := _candidate(problem, costs, None, from_stage=stages[id(mine)], unstack_to=problem.lower_bound)
         ) is not None:
             candidates.append(p)
             reached = min(reached, p.makespan)
