@@ -12,6 +12,8 @@ benchmark mixes and cost most of the planning time (every image through block ma
 
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 
 from knapformer.plan.plan import Plan, build_plan
@@ -43,7 +45,11 @@ def hybrid_cp_plan(problem: PlanProblem, cap: int, degrees=None) -> Plan | None:
     uniform = bool((speed == speed[0]).all())
     place = _Blocks(S, sorted(set(k.tolist())), None) if uniform else None
     load = np.zeros(S)
-    for g in np.argsort(-total, kind="stable").tolist():
+    order = np.argsort(-total, kind="stable")
+    if place is not None:  # the one-rank tail (cheapest last, all of size 1): a heap of rank loads
+        tail = int(np.flatnonzero(k[order] > 1)[-1]) + 1 if (k > 1).any() else 0
+        order, whole = order[:tail], order[tail:]
+    for g in order.tolist():
         size = int(k[g])
         if place is not None:  # the least loaded aligned block, from maintained block maxima
             b = place.best(size, float(share[g]), 0)
@@ -61,10 +67,24 @@ def hybrid_cp_plan(problem: PlanProblem, cap: int, degrees=None) -> Plan | None:
             index[members] = len(groups)
             groups.append(members)
         seq_group[g] = index[members]
+    if place is not None and whole.size:
+        _least_loaded(place.load[1], share[whole], whole, seq_group)
     try:
         return build_plan(problem, seq_group, solver="hybrid-cp", groups=groups)
     except ValueError:  # the problem's max_tokens_per_rank
         return None
+
+
+def _least_loaded(load: np.ndarray, cost: np.ndarray, items: np.ndarray, seq_group: np.ndarray) -> None:
+    """Each item in turn on the least loaded rank (ties: the lowest), as :class:`_Blocks` picks
+    a one-rank block, through a heap: thousands of images per plan at ~1 µs each instead of a
+    block-maxima update each."""
+    heap = [(float(v), r) for r, v in enumerate(load)]
+    heapq.heapify(heap)
+    for g, c in zip(items.tolist(), cost.tolist()):
+        v, r = heap[0]
+        seq_group[g] = r
+        heapq.heapreplace(heap, (v + c, r))
 
 
 def hybrid_cp_caps(problem: PlanProblem, widest: int) -> list[int]:
