@@ -105,7 +105,8 @@ def _split(problem: PlanProblem, degree: np.ndarray, c: np.ndarray, load: np.nda
         first_rank[g] = lo
     if bulk.size:
         _rounds(bulk, degree, c, load, first_rank)
-    return first_rank, np.concatenate([multi, bulk])
+    # (groups are listed in placing order: the rounds place the widest degree first)
+    return first_rank, np.concatenate([multi, bulk[np.argsort(-degree[bulk], kind="stable")]])
 
 
 def _groups(S: int, degree: np.ndarray, first_rank: np.ndarray, order) -> tuple[list[tuple[int, ...]], np.ndarray]:

@@ -116,7 +116,13 @@ def _latency_floor(problem: PlanProblem, k: int) -> float:
     u = k // problem.ring_of(k)
     if link is None or u == 1:
         return 0.0
-    latency = link.inter_latency if u > link.gpus_per_node else link.intra_latency
+    gpn = link.gpus_per_node
+    if u > gpn:  # a sub-group wider than a node crosses nodes: priced at the slower link
+        latency = link.inter_latency
+    elif gpn % u == 0:  # aligned inside a node
+        latency = link.intra_latency
+    else:  # some sub-groups straddle two nodes: the lesser latency is what all pay at least
+        latency = min(link.intra_latency, link.inter_latency)
     return 2 * link.exchange_passes * latency * link.units_per_second
 
 
