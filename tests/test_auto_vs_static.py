@@ -130,3 +130,14 @@ def test_the_uniform_bound_counts_every_busy_ranks_exchange_latency(length):
         plan = plan_sequences(lens, f"g{k}n{32 // k}", FLUX, link=LINK)
         ratio = uniform_bound(p, k) / plan.makespan
         assert 0.999 <= ratio <= 1 + 1e-9, (k, ratio)
+
+
+def test_the_uniform_candidates_include_the_ring_layouts_over_whole_nodes():
+    """Issue 42 asks for every uniform layout a team would configure among `auto`'s candidates:
+    Ulysses groups inside a node and rings of them over whole nodes (up to 8). On 128 `h100`
+    ranks (8 per node) with Flux's 24 heads: 1, 2, 4, 8 and 16 … 64 — a check that refused
+    any bag wider than a node left the rings out."""
+    from knapformer.plan.solvers.uniform import uniform_sizes
+
+    p = PlanProblem(seq_lens=[[4_096]] * 128, layout="auto", model=FLUX, link=LINK)
+    assert uniform_sizes(p) == [1, 2, 4, 8, 16, 32, 64]

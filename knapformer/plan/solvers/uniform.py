@@ -28,7 +28,7 @@ from knapformer.plan.member_comm import split_total_lower, ulysses_member
 from knapformer.plan.plan import Plan, build_plan
 from knapformer.plan.problem import PlanProblem
 from knapformer.plan.solvers.lpt import lpt_assignment, solve_lpt
-from knapformer.plan.solvers.menu import fits_nodes, spec_terms
+from knapformer.plan.solvers.menu import spec_terms
 from knapformer.plan.solvers.refine import local_search, relabel_for_locality, settle_home
 
 __all__ = [
@@ -63,7 +63,9 @@ def uniform_sizes(problem: PlanProblem) -> list[int]:
     S = problem.num_ranks
     node = problem.link.gpus_per_node if problem.link is not None else S
     widest = max(node, UNIFORM_NODES * node)
-    return [k for k in problem.degrees if S % k == 0 and k <= widest and fits_nodes(problem, f"g{k}n{S // k}")]
+    # bags inside a node, or of whole nodes (consecutive from rank 0, so never part of one):
+    # ``fits_nodes`` refuses any bag wider than a node, which left the ring layouts out
+    return [k for k in problem.degrees if S % k == 0 and k <= widest and (node % k == 0 or k % node == 0)]
 
 
 def uniform_bound(problem: PlanProblem, k: int, ceiling: float = np.inf) -> float:
