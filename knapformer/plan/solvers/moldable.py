@@ -196,7 +196,8 @@ def solve_moldable(problem: PlanProblem, *, time_budget_s: float | None = None) 
     # (the least-total degrees can want a ring where the smallest do not: Wan-14B's 40-rank
     # Ulysses group against 6 rings of 8 on 48 ranks)
     lean = n <= 2048  # (on more sequences each candidate costs ~0.1 s at 4,096 ranks)
-    ringed = not bool(plain[first].all() and (not lean or plain[costs.picks(lb * ALPHAS[0], least_total=True)].all()))
+    least_first = costs.picks(lb * ALPHAS[0], least_total=True) if lean else first
+    ringed = not bool(plain[first].all() and plain[least_first].all())
     if ringed and n_alpha < 2:  # the ring runs below pick beyond a node for targets down to α = 1/8
         costs = member_costs(problem, floor, lb * min(ALPHAS[:2]))
     if ringed and n <= 2048:  # a sequence wants a ring: its Ulysses-only twin, and rings as wide as pays
@@ -206,8 +207,9 @@ def solve_moldable(problem: PlanProblem, *, time_budget_s: float | None = None) 
     # where a wider degree costs less in all than the smallest that fits (a group wider than a
     # node run as one Ulysses group, beside a wider ring): the runs again with the least-total
     # degrees, up to 2,048 sequences
-    for allow, t in runs if lean else ():
-        least = costs.picks(t, allow, least_total=True)
+    for i, (allow, t) in enumerate(runs if lean else ()):
+        # (the α = 1 run's: priced above; lean means at most 2,048 sequences, so costs were not re-priced)
+        least = least_first if i == 0 else costs.picks(t, allow, least_total=True)
         if not any((least == q).all() for q in picks):
             picks.append(least)
     candidates = [p for pick in picks if (p := _candidate(problem, costs, pick, stages)) is not None]
