@@ -26,11 +26,14 @@ plan-demo: setup
 	$(PY) -m knapformer.tools.plan_demo --out runs/plan-demo
 
 # compileall: every spawned test rank imports knapformer; cached bytecode saves each ~0.3 s
-# (where PYTHONDONTWRITEBYTECODE is set, Python still reads what compileall wrote)
+# (where PYTHONDONTWRITEBYTECODE is set, Python still reads what compileall wrote).
+# TEST_WORKERS pytest-xdist processes share the tests (most of a multi-rank test's time is
+# waiting); no test's verdict depends on machine load, so running two at once is safe.
+TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m ruff check knapformer tests benchmarks examples
 	$(PY) -m compileall -q knapformer tests examples > /dev/null
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 # The documentation site (MkDocs + Material + mkdocstrings) into site/; warnings fail the build.
 docs: setup

@@ -1,162 +1,129 @@
-"""Workers for the closed-loop tests: a real model trained a few steps on real gloo ranks with
-the balancer timing itself, refitting its cost model online, and reporting telemetry."""
+"""Workers for the closed-loop tests: a real model trained on real gloo ranks with the balancer
+timing itself, refitting its cost model online and reporting telemetry — on *simulated* time.
+
+Each rank's timer reads a :class:`~knapformer.testing.SimulatedClock` that the step advances by
+the seconds the rank's plan would take on a simulated machine (:class:`Machine`: a cost model
+in seconds, per-rank speeds, deterministic noise and spikes). So the closed loop's whole logic
+runs as in training and every verdict is exact, whatever else the machine is doing; what the
+loop achieves on real timings is measured by ``benchmarks/closed_loop.py``.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
-from pathlib import Path
+import math
 
 import numpy as np
 import torch
 
 from knapformer import SequenceBalancer, WorkloadModel
 from knapformer.config import BalancerConfig
-from knapformer.data.batches import batch_from_lens
-from knapformer.models import Transformer, TransformerConfig
+from knapformer.cost_terms import coefficients, with_coefficients
+from knapformer.models import Transformer
+from knapformer.plan import SolverOptions
+from knapformer.plan.plan import RankFeatures
+from knapformer.testing import SimulatedClock, blocking_exchanges, use_clock
+from knapformer.testing.closed_loop import PROFILE, TINY, long_tailed_lens, model_digest, run_loop, train_step
 
-CFG = TransformerConfig(in_dim=16, dim=64, num_heads=4, num_layers=2, out_dim=16)
-PROFILE = Path(__file__).resolve().parent.parent / "profiles" / "cpu-transformer-tiny.json"
-
-
-def _lens(step: int, rank: int, world: int) -> list[int]:
-    """Long-tailed lengths, different every step: 12–23 short ones per rank, and every even
-    rank also holds one of 450–600 tokens, whose cost (how much of it is attention) decides how many
-    short ones it should give away — so a wrong γ balances measurably worse."""
-    rng = np.random.default_rng([step, rank])
-    lens = np.clip(rng.lognormal(3.6, 0.7, size=int(rng.integers(12, 24))), 8, 200).astype(int).tolist()
-    if rank % 2 == 0:
-        lens.append(int(rng.integers(450, 600)))
-    return lens
+CFG = TINY
+QUICK = SolverOptions(bnb_nodes=2_000)
+"""Every run plans with a tenth of the exact search's default node budget (the 2-rank steps have
+~37 sequences, where the full search costs ~70 ms a plan): the same for every setting compared."""
 
 
-def _digest(model: WorkloadModel) -> str:
-    d = {k: v for k, v in model.to_dict().items() if k != "meta"}
-    d["per_call"] = model.meta.get("per_call_seconds", 0.0)
-    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """A simulated machine: rank r's step takes ``layers · (features · coef / speed[r] + d)``
+    seconds (the online fit's form), times a lognormal noise of ``noise`` (σ) and, on about one rank-step in
+    ``spike_every``, a 2× spike (a GC pause) — both drawn from (seed, step, rank), so every run
+    measures the same seconds."""
+
+    truth: WorkloadModel
+    speed: tuple[float, ...]
+    noise: float = 0.05
+    spike_every: int = 25
+    seed: int = 11
+
+    def work(self, f: RankFeatures) -> np.ndarray:
+        """(S,) noiseless seconds of every rank of a plan."""
+        per_call = float(self.truth.meta.get("per_call_seconds", 0.0))
+        return self.truth.num_layers * (f.matrix() @ coefficients(self.truth) / np.asarray(self.speed) + per_call)
+
+    def seconds(self, f: RankFeatures, rank: int, step: int) -> float:
+        rng = np.random.default_rng([self.seed, step, rank])
+        spike = 2.0 if rng.random() < 1.0 / self.spike_every else 1.0
+        return float(self.work(f)[rank]) * math.exp(self.noise * rng.standard_normal()) * spike
 
 
-def _shadow(model: Transformer, bal: SequenceBalancer) -> None:
-    """The blocks' forward and backward once more on this rank's routed tokens, without
-    collectives: a rank that computes twice as long for the same plan (layout g1: routed
-    chunks are whole sequences, so local attention over them is the same work)."""
-    from knapformer.models import LocalExecutor
-
-    spec = bal.spec
-    if spec.num_routed == 0:
-        return
-    ex = LocalExecutor(spec.local_seq_lens)
-    _, pos = bal.routed_positions()
-    h = torch.randn(spec.num_routed, CFG.dim, requires_grad=True)
-    for block in model.blocks:
-        h = block(h, pos, ex)
-    h.sum().backward()
+def machine(world: int, slow: bool) -> Machine:
+    """This test's machine: the CPU profile with attention 1.5× dearer than the profile says (so
+    the offline profile is good, not exact); with ``slow`` the last rank at half speed."""
+    profile = WorkloadModel.from_profile(PROFILE)
+    c = coefficients(profile) * np.asarray([1.0, 1.5, 1.0])
+    truth = with_coefficients(profile, c.tolist(), meta=profile.meta)
+    return Machine(truth, tuple([1.0] * (world - 1) + [0.5 if slow else 1.0]))
 
 
-def _train_step(model, bal, rank, world, step, slow_rank) -> list[list[float]]:
-    """One step; returns its plan's per-rank features (tokens, attention, sequences)."""
-    lens = _lens(step, rank, world)
-    b = batch_from_lens(lens, [0] * len(lens), seed=1, rank=rank, step=step, in_dim=16, vec_dim=1, out_dim=16)
-    f = bal.plan(lens).features()
-    out = model(b.x, b.seq_lens, executor=bal)
-    if rank == slow_rank:
-        _shadow(model, bal)  # inside the timed region: before the backward reaches route
-    ((out - b.target) ** 2).mean().backward()
-    model.zero_grad(set_to_none=True)
-    return [np.asarray(v, dtype=np.float64).tolist() for v in (f.tokens, f.attn, f.seqs)]
+def _simulated(rank: int, m: Machine) -> tuple:
+    """(setup, work, truth) for :func:`run_loop`: the balancer's timer on a simulated clock,
+    advanced by the machine's seconds for this rank's plan inside the timed region; ``truth``
+    collects every step's noiseless seconds of all ranks."""
+    clock = SimulatedClock()
+    truth: list[list[float]] = []
+
+    def work(model, bal, plan, step):
+        f = plan.features()
+        truth.append(m.work(f).tolist())
+        clock.advance(m.seconds(f, rank, step))
+
+    return (lambda bal: use_clock(bal, clock)), work, truth
 
 
-def run_loop(
-    rank: int,
-    world: int,
-    cost: WorkloadModel,
-    steps: int,
-    *,
-    slow_rank: int | None,
-    first_step: int = 0,
-    **settings,
-) -> tuple[list[dict], BalancerConfig]:
-    """Train ``steps`` steps (batches ``first_step``, ...); ``slow_rank`` runs its blocks twice
-    (:func:`_shadow`), so it computes twice as long for the same plan. Returns this rank's
-    telemetry per step (with its plan's ``features``) and the balancer's final settings (the
-    recalibrated cost model and speeds, when on)."""
-    torch.manual_seed(0)
-    model = Transformer(CFG)
-    # unpriced: these runs fit the compute model (a measured link would keep work home on 4
-    # ranks sharing 2 cores, and hide what the fit changes)
-    cfg = BalancerConfig(layout=f"g1n{world}", cost=cost, measure=True, link="free", **settings)
-    bal = SequenceBalancer(cfg)
-    records = []
-    bal.on_step(lambda rec: records.append(rec.to_dict() | {"digest": _digest(bal.online_model())}))
-    features = [_train_step(model, bal, rank, world, step, slow_rank) for step in range(first_step, first_step + steps)]
-    bal.flush()
-    return [r | {"features": f} for r, f in zip(records, features, strict=True)], bal.planning_config
-
-
-WARMUP_STEPS = 10
 EVAL_STEPS = (100, 101, 102, 103, 104, 105)
-EVAL_REPEATS = 5
 
 
-def evaluate(rank: int, world: int, runs: dict[str, tuple[BalancerConfig, int | None]]) -> dict:
-    """Each run's final settings (its cost model and speeds, frozen) on held-out batches,
-    measured: the runs take turns step by step (a change of the vCPUs' speed falls on all of
-    them alike), each batch's plan ``EVAL_REPEATS`` times. Returns per run and batch the
-    predicted seconds (None for a model in cost units) and every repeat's measured seconds of
-    all ranks."""
-    state = {}
-    for name, (config, slow) in runs.items():
-        torch.manual_seed(0)
-        cfg = dataclasses.replace(config, measure=True, recalibrate=False, estimate_speed=False)
-        bal = SequenceBalancer(cfg)
+def evaluate(rank: int, world: int, runs: dict[str, tuple[BalancerConfig, Machine]]) -> dict:
+    """Each run's final settings (its cost model and speeds, frozen) plan held-out batches;
+    returns per run and batch the machine's noiseless seconds of every rank and the frozen
+    model's predicted seconds (None for a model in cost units)."""
+    out: dict[str, list] = {}
+    for name, (config, m) in runs.items():
+        bal = SequenceBalancer(dataclasses.replace(config, measure=False, recalibrate=False, estimate_speed=False))
         records: list = []
-        bal.on_step(records.append)
-        state[name] = (Transformer(CFG), bal, records, slow)
-    out: dict[str, list] = {name: [] for name in runs}
-    for step in EVAL_STEPS:
-        for _, _, records, _ in state.values():
-            records.clear()
-        for _ in range(EVAL_REPEATS):
-            for model, bal, _, slow in state.values():
-                _train_step(model, bal, rank, world, step, slow)
-                bal.flush()
-        for name, (_, _, records, _) in state.items():
-            out[name].append({"predicted_s": records[0].predicted_s, "measured_s": [r.measured_s for r in records]})
+        bal.on_step(records.append)  # untimed: each plan's record (its prediction) comes at once
+        rows = []
+        for step in EVAL_STEPS:
+            plan = bal.plan(long_tailed_lens(step, rank))
+            rows.append({"seconds": m.work(plan.features()).tolist(), "predicted_s": records[-1].predicted_s})
+        out[name] = rows
     return out
 
 
 def check_recalibration(rank: int, world: int, steps: int) -> dict:
-    """Two online runs on the same batches, ``steps`` steps each: γ 10× too large, and (one rank
-    twice as slow) the calibrated profile with speed estimation; then their final settings and
-    the offline profile's (without and with the slow rank) are measured together on held-out
-    batches (:func:`evaluate`). With a core per rank, each rank is pinned to its own."""
-    from knapformer.testing import keep_freed_memory, pin_to_core
-
-    keep_freed_memory()  # page faults of re-grown buffers otherwise add spikes to a rank's CPU time
-    # a rank that migrates between this VM's vCPUs changes speed by up to ~25% for seconds at a
-    # time (pinned, the same plan's time varies ~2%); more ranks than cores stay unpinned (two
-    # ranks pinned to one core measure worse: ~13% vs ~5% median noise)
-    pin_to_core(rank, world)
+    """Two online runs on the same batches, ``steps`` steps each, on the simulated machine: γ 10×
+    too large, and (the last rank at half speed) the calibrated profile with speed estimation;
+    then their final settings and the offline profile's (without and with the slow rank) plan
+    held-out batches (:func:`evaluate`)."""
     profile = WorkloadModel.from_profile(PROFILE)
     wrong = WorkloadModel(d_model=64, gamma=10 * profile.gamma_equivalent, num_layers=CFG.num_layers)
-    offline = BalancerConfig(layout=f"g1n{world}", cost=profile, measure=True, link="free")
-    # a fresh process runs its first tens of steps ever faster (allocator, first calls of each
-    # kernel shape): warm it up, so the runs below measure the cost model, not that trend
-    run_loop(rank, world, profile, WARMUP_STEPS, slow_rank=None, first_step=200)
+    offline = BalancerConfig(layout=f"g1n{world}", cost=profile, measure=True, link="free", solver_options=QUICK)
+    even, slow = machine(world, False), machine(world, True)
     out: dict = {}
     finals = {
-        "offline": (offline, None),
-        "slow_offline": (offline, world - 1),
-        "wrong": (dataclasses.replace(offline, cost=wrong), None),
+        "offline": (offline, even),
+        "slow_offline": (offline, slow),
+        "wrong": (dataclasses.replace(offline, cost=wrong), even),
     }
-    for name, cost, slow, settings in (
-        ("online", wrong, None, {}),
-        ("slow_online", profile, world - 1, {"estimate_speed": True}),
+    for name, cost, m, settings in (
+        ("online", wrong, even, {}),
+        ("slow_online", profile, slow, {"estimate_speed": True}),
     ):
-        records, final = run_loop(rank, world, cost, steps, slow_rank=slow, recalibrate=True, **settings)
-        out[name] = records
-        finals[name] = (final, slow)
+        setup, work, truth = _simulated(rank, m)
+        records, final = run_loop(
+            rank, world, cost, steps, setup=setup, work=work, recalibrate=True, solver_options=QUICK, **settings
+        )
+        out[name] = [r | {"true_s": t} for r, t in zip(records, truth, strict=True)]
+        finals[name] = (final, m)
     out["eval"] = evaluate(rank, world, finals)
     return out
 
@@ -184,11 +151,7 @@ def count_collectives(rank: int, world: int, measure: bool) -> dict:
         per_step = []
         for step in range(3):
             before = dict(counts)
-            lens = _lens(step, rank, world)
-            b = batch_from_lens(lens, [0] * len(lens), seed=1, rank=rank, step=step, in_dim=16, vec_dim=1, out_dim=16)
-            bal.plan(lens)
-            out = model(b.x, b.seq_lens, executor=bal)
-            ((out - b.target) ** 2).mean().backward()
+            train_step(model, bal, rank, step)
             per_step.append({k: counts[k] - before[k] for k in counts})
     finally:
         for name, fn in real.items():
@@ -196,41 +159,48 @@ def count_collectives(rank: int, world: int, measure: bool) -> dict:
     return {"per_step": per_step, "measured": bal.last_step.measured_s if bal.last_step else None}
 
 
-SLOW_S = 0.03
-"""Seconds rank 1 sleeps in each block's forward in :func:`wall_clock_loop` (a slow GPU)."""
+SLOW = 3.0
+"""How many times longer rank 1's blocks take in :func:`wall_clock_loop` (a slow GPU)."""
+BLOCK_S = 0.01
+"""Simulated seconds of one block's forward per 1,000 tokens on a rank at full speed."""
 
 
 def wall_clock_loop(rank: int, world: int, steps: int, layout: str, pause_exchanges: bool = True) -> dict:
-    """``timer="wall"`` (a gloo collective blocks the host like a CUDA stream waits for NCCL):
-    rank 1 sleeps inside every block (a slow GPU), the prior's γ is 50x too large, lengths
-    differ between ranks; the cost model is refitted online with speeds estimated. Returns
-    every rank's measured seconds per step, the final speeds and whether the online fit moved
-    off the prior. ``pause_exchanges=False`` times the whole region instead (what CUDA events
-    around the region measured: the slowest peer on every rank)."""
-    import time
-
-    import knapformer.distributed.timing as timing
-
-    if not pause_exchanges:
-        timing.pause = timing.resume = lambda: None
+    """``timer="wall"`` on a simulated clock, every exchange blocking it as a collective blocks
+    the host (or a CUDA stream): each block's forward takes :data:`BLOCK_S` per 1,000 tokens it
+    holds, :data:`SLOW`× that on rank 1 (a slow GPU); the prior's γ is 50× too large, lengths
+    differ between ranks; the cost model is refitted online with speeds estimated. Returns every
+    rank's measured seconds per step and its own block seconds, the final speeds and whether
+    the online fit moved off the prior. ``pause_exchanges=False`` times the whole region instead
+    (what CUDA events around the region measured: the slowest peer on every rank)."""
+    clock = SimulatedClock()
     torch.manual_seed(0)
     model = Transformer(CFG)
-    if rank == 1:
-        for block in model.blocks:
-            block.register_forward_hook(lambda *_: time.sleep(SLOW_S))
+    own: list[float] = [0.0]
+
+    def block_work(_module, inputs, _output):
+        s = BLOCK_S * inputs[0].shape[0] / 1000 * (SLOW if rank == 1 else 1.0)
+        own[0] += s
+        clock.advance(s)
+
+    for block in model.blocks:
+        block.register_forward_hook(block_work)
     prior = WorkloadModel(d_model=64, gamma=50.0, num_layers=CFG.num_layers)
-    bal = SequenceBalancer(
-        BalancerConfig(
-            layout=layout, cost=prior, timer="wall", recalibrate=True, estimate_speed=True, recalibrate_warmup=1
-        )
-    )
+    cfg = BalancerConfig(layout=layout, cost=prior, timer="wall", recalibrate=True, estimate_speed=True)
+    bal = SequenceBalancer(dataclasses.replace(cfg, recalibrate_warmup=1))
+    use_clock(bal, clock)
     records = []
     bal.on_step(records.append)
-    for step in range(steps):
-        _train_step(model, bal, rank, world, step, None)
-    bal.flush()
+    blocks = []
+    with blocking_exchanges(clock, pause_timer=pause_exchanges):
+        for step in range(steps):
+            own[0] = 0.0
+            train_step(model, bal, rank, step)
+            blocks.append(own[0])
+        bal.flush()
     return {
         "measured": [r.measured_s for r in records],
+        "own": blocks,
         "speeds": list(bal.planning_config.rank_speed or []),
-        "moved": _digest(bal.online_model()) != _digest(prior),
+        "moved": model_digest(bal.online_model()) != model_digest(prior),
     }

@@ -1,43 +1,34 @@
 """Closed loop on real gloo ranks: the balancer times itself, refits its cost model online and
 reports telemetry; with timing off it adds no collective.
 
-The model trained is the reference Transformer (transformer-tiny's size) under layout g1
-(whole sequences, so the cost model alone decides the balance), on long-tailed lengths that
-differ every step (:func:`~tests.loop_workers._lens`: many short sequences, and a 450–600 token
-one on every even rank, whose attention share decides the balance). Two online runs of
-``N + JUDGED`` steps: γ 10× too large, and one rank computing twice as long (speed estimation
-on). What is checked, against the issue's acceptance:
+Every verdict here is exact on any machine load: the ranks train a real model through the real
+balancer, but each rank's timer reads a simulated clock that the step advances by the seconds
+its plan would take on a simulated machine (``tests.loop_workers.Machine``: the CPU profile
+with attention 1.5× dearer, optionally the last rank at half speed, 5% lognormal noise and a 2×
+spike on about one rank-step in 25, all drawn from (step, rank)). What the same loop achieves on
+real timings is measured by ``benchmarks/closed_loop.py`` (docs/results.md, "Closed loop on
+real timings").
 
-* after ``N`` = 16 timed steps, the online model's prediction of each rank's measured time on
-  the next ``JUDGED`` = 32 steps (each predicted before it runs, by the model fitted up to
-  then) has a median |predicted − measured| / measured ≤ 10% over ranks and steps — or, when
-  the machine is noisier than that, ≤ the in-hindsight floor + 8 points (the best model of the
-  same form fitted to those very steps, solved independently in the test; over 21 local runs
-  the online error minus the floor was −0.006…+0.059, so +5 points failed one run);
-* its final settings, frozen, balance held-out batches no worse than the offline calibrated
-  profile + 0.02 (measured imbalance, max/mean − 1; not significantly: mean of the paired
-  per-batch differences ≤ 0.02 + 2 standard errors), while the wrong γ frozen is far worse (so
-  the batches can tell them apart). All settings take turns on the same 6 batches, 5 repeats
-  each, each rank's median kept;
-* every rank holds the identical model every step; the slow rank's speed is estimated and its
-  imbalance at least halved.
+The scenario (:mod:`knapformer.testing.closed_loop`): the reference Transformer
+(transformer-tiny's size) under layout g1 (whole sequences, so the cost model alone decides the
+balance), on long-tailed lengths that differ every step (many short sequences, and a 450–600
+token one on every even rank, whose attention share decides the balance). Two online runs of
+``N + JUDGED`` steps: γ 10× too large, and the last rank at half speed (speed estimation on).
+Checked, on 2 and 4 ranks:
 
-The exact properties (identical models, one record per step, the speed estimate) must hold on
-every attempt; the measured thresholds get up to ``ATTEMPTS`` = 3 attempts (in 6 local
-first attempts of this version one failed: the slow rank's imbalance 0.167, not under half
-the profile's 0.284); in the full suite a level shift of the VM's speed during the judged steps left the
-online model 9 points above the floor for several steps (a median error of 19% vs a 10% floor
-in one CI-like run). A broken fit fails every attempt (mutation below).
+* after ``N`` = 16 timed steps, the online model's prediction of each rank's measured seconds
+  on the next ``JUDGED`` = 32 steps (each predicted before it runs, by the model fitted up to
+  then) has a median relative error within the machine's own noise (≤ 6%; the noise alone gives
+  ~3.4%), and is within 3% of the noiseless seconds;
+* its final settings, frozen, balance held-out batches no worse than the offline profile + 0.02
+  (the machine's imbalance, max/mean − 1, mean over 6 batches), while the wrong γ frozen is far
+  worse (so the batches tell them apart);
+* every rank holds the identical model every step; the slow rank's speed is estimated (0.5 ±
+  0.15 of the others') and its imbalance at least halved.
 
-Why the floor: ranks on this VM's vCPUs change speed by up to ~25% for seconds at a time
-(measured: the same plan at 52 ms, then 65 ms; the in-hindsight floor of 60 steps ranged 2–12%
-between runs minutes apart), which no cost model can predict; a plain 10% bound failed ~30%
-of runs. With a core per rank each rank is pinned to its own. 4 ranks time-share the 2 cores
-(unpinned), so single steps are noisier: their thresholds are 15% and +0.03. Local runs
-(16 judged steps): 2 ranks error 2.8–6.0% (floor 3.1–5.6%), imbalance online 0.054–0.071 vs
-profile 0.050–0.051 vs wrong γ 0.19–0.24; 4 ranks error 7.1–12.8% (floor 6.1–10.8%), imbalance
-0.064–0.069 vs 0.079–0.090 vs 0.30–0.34. A fit that only rescales the prior (mutation) fails:
-37% error.
+Mutations that fail here (run by hand): a fit that only rescales the prior (online error 47%);
+speeds never estimated (the slow run's error 13%); every rank taking rank 0's gathered seconds
+(error 12%); the timer not pausing at exchanges (the wall-clock test's own-work equality).
 """
 
 import numpy as np
@@ -48,113 +39,50 @@ from tests import loop_workers as W
 
 N = 16
 JUDGED = 32
-NOISE_ALLOWANCE = 0.08
-ATTEMPTS = 3
 
 
-def _online_errors(records: list[dict]) -> np.ndarray:
-    """|predicted − measured| / measured of the judged steps (every rank)."""
+def _online_errors(records: list[dict], against: str = "measured") -> np.ndarray:
+    """|predicted − measured| / measured of the judged steps (every rank); ``against="truth"``:
+    relative to the machine's noiseless seconds instead."""
     assert all(r["predicted_s"] is not None for r in records[N:]), "the online model predicts seconds"
-    return np.asarray([e for r in records[N:] for e in r["prediction_errors"]])
+    if against == "measured":
+        return np.asarray([e for r in records[N:] for e in r["prediction_errors"]])
+    pred = np.asarray([r["predicted_s"] for r in records[N:]])
+    true = np.asarray([r["true_s"] for r in records[N:]])
+    return (np.abs(pred - true) / true).ravel()
 
 
-def _hindsight_floor(records: list[dict], rank_speed: bool = False) -> float:
-    """The median relative error of the best model of the online fit's form (seconds ≈
-    (a·tokens + b·attn + c·seqs) / speed_r + d, non-negative; speeds only with ``rank_speed``)
-    fitted in hindsight to the judged steps themselves: what the machine's noise leaves to
-    any such model. Solved here independently of the library: relative least squares on every
-    subset of coefficients, the best feasible one; speeds by three rounds of per-rank median
-    ratios."""
-    X = np.concatenate([np.asarray(r["features"]).T for r in records[N:]])  # (steps·ranks, 3)
-    y = np.concatenate([np.asarray(r["measured_s"]) for r in records[N:]])
-    rank = np.concatenate([np.arange(len(r["measured_s"])) for r in records[N:]])
-    scale = np.ones(len(y))
-    for _ in range(3 if rank_speed else 1):
-        A = np.concatenate([X * scale[:, None], np.ones((len(y), 1))], axis=1) / y[:, None]
-        best, coef = np.inf, None
-        for mask in range(1, 16):
-            cols = [j for j in range(4) if mask >> j & 1]
-            c, *_ = np.linalg.lstsq(A[:, cols], np.ones(len(y)), rcond=None)
-            err = float(np.median(np.abs(A[:, cols] @ c - 1.0)))
-            if (c >= 0).all() and err < best:
-                best, coef = err, (cols, c)
-        d = coef[1][-1] if 3 in coef[0] else 0.0
-        fitted = A[:, coef[0]] @ coef[1] * y - d  # the work part of each prediction
-        for r in np.unique(rank):
-            sel = rank == r
-            scale[sel] *= np.median((y[sel] - d) / np.maximum(fitted[sel], 1e-12))
-    return best
+def _imbalance(ev: dict) -> dict[str, float]:
+    """Per setting: the mean over held-out batches of the machine's imbalance (max/mean − 1)."""
+    return {
+        name: float(np.mean([max(b["seconds"]) / np.mean(b["seconds"]) - 1.0 for b in batches]))
+        for name, batches in ev.items()
+    }
 
 
-def _held_out(evaluation: dict[str, list]) -> dict[str, dict]:
-    """Per setting: measured imbalance (mean over batches of each rank's median of repeats)
-    and the frozen model's median error (reported only: a frozen model cannot follow the
-    machine's speed)."""
-    out = {}
-    for name, batches in evaluation.items():
-        imb, err = [], []
-        for batch in batches:
-            t = np.median(np.asarray(batch["measured_s"]), axis=0)
-            imb.append(t.max() / t.mean() - 1.0)
-            if batch["predicted_s"] is not None:
-                err += (np.abs(np.asarray(batch["predicted_s"]) - t) / t).tolist()
-        out[name] = {"imbalance": imb, "error": float(np.median(err)) if err else None}
-    return out
-
-
-def _no_worse(ev: dict, run: str, reference: str, margin: float) -> str:
-    """ "" if ``run``'s measured imbalance is not significantly above ``reference``'s +
-    ``margin`` (the mean of the paired per-batch differences ≤ margin + 2 standard errors),
-    else why."""
-    d = np.asarray(ev[run]["imbalance"]) - np.asarray(ev[reference]["imbalance"])
-    se = float(np.std(d, ddof=1) / np.sqrt(d.size))
-    return "" if d.mean() <= margin + 2 * se else f"{run} imbalance − {reference}'s: {d.round(3).tolist()}, se {se:.3f}"
-
-
-def _timing_problems(res: list[dict], world: int, max_error: float, margin: float) -> list[str]:
-    """The measured thresholds of the module docstring; what fails (empty: all hold)."""
+@pytest.mark.parametrize("world", [2, 4])
+def test_online_recalibration_from_a_wrong_gamma_and_a_slow_rank(world):
+    res = run_distributed(W.check_recalibration, world, N + JUDGED, timeout=300)
     first = res[0]
-    ev = _held_out(first["eval"])
-    problems = []
-    # γ 10x too large: the online model learns the real costs ...
-    for run, speeds in (("online", False), ("slow_online", True)):
-        err = float(np.median(_online_errors(first[run])))
-        floor = _hindsight_floor(first[run], rank_speed=speeds)
-        if err > max(max_error, floor + NOISE_ALLOWANCE):
-            problems.append(f"{run}: median error {err:.3f}, in-hindsight floor {floor:.3f}")
-    # ... and balances like the profile, where the wrong γ frozen balances far worse (so these
-    # batches can tell the two apart)
-    problems.append(_no_worse(ev, "online", "offline", margin))
-    mean = {name: float(np.mean(v["imbalance"])) for name, v in ev.items()}
-    if not mean["wrong"] > mean["offline"] + 0.05:
-        problems.append(f"wrong γ balances like the profile: {mean}")
-    if not mean["online"] < 0.5 * mean["wrong"]:
-        problems.append(f"online not clearly better than wrong γ: {mean}")
-    # one rank twice as slow: its imbalance at least halved, and no worse than the profile's
-    problems.append(_no_worse(ev, "slow_online", "slow_offline", margin))
-    if not mean["slow_online"] < 0.5 * mean["slow_offline"]:
-        problems.append(f"slow rank not relieved: {mean}")
-    return [p for p in problems if p]
-
-
-@pytest.mark.parametrize("world, max_error, margin", [(2, 0.10, 0.02), (4, 0.15, 0.03)])
-def test_online_recalibration_from_a_wrong_gamma_and_a_slow_rank(world, max_error, margin):
-    failed = []
-    for _ in range(ATTEMPTS):
-        res = run_distributed(W.check_recalibration, world, N + JUDGED, timeout=600)
-        first = res[0]
-        for run in ("online", "slow_online"):  # exact properties: every attempt
-            assert len(first[run]) == N + JUDGED  # one record per step (the last completed by flush)
-            for i in range(len(first[run])):  # every rank holds the identical model every step
-                assert len({r[run][i]["digest"] for r in res}) == 1, (run, i)
-            assert _online_errors(first[run]).size == world * JUDGED
-        speeds = first["slow_online"][-1]["rank_speed"]  # the slow rank's speed is estimated
-        assert speeds[world - 1] < 0.8 * min(speeds[: world - 1]), speeds
-        problems = _timing_problems(res, world, max_error, margin)
-        if not problems:
-            return
-        failed.append(problems)
-    pytest.fail(f"measured thresholds failed in all {ATTEMPTS} attempts: {failed}")
+    for run in ("online", "slow_online"):
+        assert len(first[run]) == N + JUDGED  # one record per step (the last completed by flush)
+        for i in range(len(first[run])):  # every rank holds the identical model every step
+            assert len({r[run][i]["digest"] for r in res}) == 1, (run, i)
+        errors = _online_errors(first[run])
+        assert errors.size == world * JUDGED
+        assert np.median(errors) <= 0.06, (run, np.median(errors))  # the machine's noise alone: ~0.034
+        truth = _online_errors(first[run], "truth")
+        assert np.median(truth) <= 0.03, (run, np.median(truth))
+    speeds = first["slow_online"][-1]["rank_speed"]  # the slow rank's speed is estimated
+    assert abs(speeds[-1] / np.median(speeds[:-1]) - 0.5) <= 0.15, speeds
+    imb = _imbalance(first["eval"])
+    assert imb["wrong"] > imb["offline"] + 0.05, imb  # the batches tell a wrong γ from the profile ...
+    assert imb["online"] <= imb["offline"] + 0.02, imb  # ... and the online fit balances like the profile
+    assert imb["online"] < 0.5 * imb["wrong"], imb
+    assert imb["slow_online"] <= imb["slow_offline"] + 0.02, imb  # one rank at half speed: relieved
+    assert imb["slow_online"] < 0.5 * imb["slow_offline"], imb
+    for r in res[1:]:  # every rank planned the same held-out plans
+        assert r["eval"] == first["eval"]
 
 
 @pytest.mark.parametrize("world", [2])
@@ -166,23 +94,23 @@ def test_timing_off_adds_no_collective(world):
 
 
 def test_wall_clock_timing_measures_each_ranks_own_work_and_finds_the_slow_rank():
-    """Wall-clock timing between exchanges (how CUDA events behave): the fast rank's waits for
-    the slow one are not its work, so the ranks' times differ (g2n1: both ranks hold the same
-    work), and from a wrong prior with unequal work (auto) the fit moves and the slow rank's
-    speed is estimated below the other's. Timing the whole region instead makes every rank
-    measure the slowest one (the failure on CUDA this replaces)."""
-    import statistics
-
-    injected = W.SLOW_S * W.CFG.num_layers  # rank 1's extra seconds per step
+    """Wall-clock timing between exchanges (how CUDA events behave), on a simulated clock that
+    every exchange blocks as a collective blocks its caller: each rank measures exactly its own
+    blocks' seconds — the fast rank's waits for the slow one are not its work (g2n1: both
+    ranks hold the same tokens, rank 1's blocks take 3× as long) — and from a wrong prior with
+    unequal work (auto) the fit moves and the slow rank's speed is estimated near 1/3 of the
+    other's. Timing the whole region instead makes every rank measure the slowest one (the
+    failure on CUDA this replaces)."""
     same_work = run_distributed(W.wall_clock_loop, 2, 4, "g2n1", timeout=180)
-    gaps = [m[1] - m[0] for m in same_work[0]["measured"][1:]]
-    assert statistics.median(gaps) > 0.6 * injected, same_work[0]["measured"]  # rank 1's own work is longer
+    for r in same_work:
+        np.testing.assert_allclose(r["measured"], [[s["own"][i] for s in same_work] for i in range(4)], rtol=1e-12)
+    assert min(m[1] - m[0] for m in same_work[0]["measured"]) > 0  # rank 1's own work is longer
     region = run_distributed(W.wall_clock_loop, 2, 4, "g2n1", False, timeout=180)
-    gaps = [abs(m[1] - m[0]) for m in region[0]["measured"][1:]]
-    assert statistics.median(gaps) < 0.3 * injected, region[0]["measured"]  # the whole region: both the same
+    for i, m in enumerate(region[0]["measured"]):  # the whole region: both ranks measure the slowest
+        assert m[0] == m[1] and m[0] >= max(r["own"][i] for r in region) * (1 - 1e-12), (i, m)
     for r in run_distributed(W.wall_clock_loop, 2, 6, "auto", timeout=180):
         assert r["moved"], r
-        assert r["speeds"][1] < 0.7 * r["speeds"][0], r["speeds"]
+        assert 0.25 < r["speeds"][1] / r["speeds"][0] < 0.45, r["speeds"]
 
 
 def test_cuda_events_are_read_a_step_late_and_an_unstamped_end_is_nan(monkeypatch):

@@ -7,6 +7,7 @@ import pytest
 
 from knapformer import BalancerConfig, WorkloadModel
 from knapformer.cluster.hardware import hardware
+from knapformer.distributed.link_probe import PROBE_BYTES
 from knapformer.layout import parse_layout
 from knapformer.plan import PlanProblem, get_solver
 from knapformer.testing import run_distributed
@@ -14,10 +15,21 @@ from tests import link_workers as W
 
 
 def test_the_default_link_is_measured_identically_and_keeps_small_images_whole():
+    """The real probe (this machine's clocks): one model, positive and finite, on every rank.
+    Then the probe's timings injected (rank r reads them (1 + r/10)× slower, no clock read): the
+    model is every number as the slowest rank measured it, and the plans made with it — priced,
+    no 256-token image is cut; free, the same step cuts them — hold on any machine load."""
     res = run_distributed(W.default_link, 4, timeout=120)
+    real = res[0]["real"]
+    assert real is not None and all(r["real"] == real for r in res)  # every rank plans with the same model
+    assert real["intra_bw"] > 0 and real["intra_latency"] > 0 and 0 < real["units_per_second"] < float("inf")
     link = res[0]["link"]
-    assert link is not None and all(r["link"] == link for r in res)  # every rank plans with the same model
-    assert link["intra_bw"] > 0 and link["intra_latency"] > 0 and link["units_per_second"] > 0
+    assert all(r["link"] == link for r in res)
+    slowest = 1.3  # rank 3's readings
+    lat, big = W.PROBED["latency"] * slowest, W.PROBED["big"] * slowest
+    assert link["intra_latency"] == pytest.approx(lat, rel=1e-6)
+    assert link["intra_bw"] == pytest.approx(3 * (PROBE_BYTES - 4) / (big - lat), rel=1e-6)  # 3 peers on this node
+    assert link["units_per_second"] == pytest.approx(W.PROBED["flops"] / slowest / 3, rel=1e-6)
     for r in res:
         assert r["free_link"] is None
         assert r["priced_sizes"] == [1], r  # priced: no 256-token image is cut

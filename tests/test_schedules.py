@@ -1,5 +1,9 @@
 """Per-layer calls without a rendezvous (the step's schedule): counted collectives, and bad or
-divergent calls on one rank raising on every rank in bounded time (2 and 4 gloo ranks)."""
+divergent calls on one rank raising on every rank (2 and 4 gloo ranks).
+
+No clock is read: a rank that waited instead of raising would leave a timeout to end the case
+(the process group's 45 s, or the spawn's), which raises another error type than the one
+checked, or fails the spawn."""
 
 import pytest
 
@@ -27,15 +31,14 @@ def test_layers_after_the_first_make_no_rendezvous_forward_or_backward(results):
         assert ring_counts[1] == [1, 0, 0], ring_counts
 
 
-def test_bad_or_divergent_calls_raise_on_every_rank_in_bounded_time(results):
+def test_bad_or_divergent_calls_raise_on_every_rank(results):
     world, res = results
     for case, (kind, texts) in W.expected_errors().items():
         for rank, r in enumerate(res):
-            name, msg, seconds = r[case]
+            name, msg = r[case]
             assert name == kind.__name__, (case, rank, name, msg)
             for text in texts:
                 assert text.format(last=world - 1) in msg, (case, rank, msg)
-            assert seconds < 30, (case, seconds)
     for r in res:
         assert r["attention after"] and r["pre_attn after"]  # the next step is exact again
         assert r["attention after eval"] and r["pre_attn after eval"]

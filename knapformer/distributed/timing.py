@@ -23,12 +23,17 @@ The end is stamped by an identity autograd function on route's inputs, whose bac
 the backward pass reaches them — the last thing of the step; without a backward (inference)
 the first ``reverse_route`` ends the region. A step whose end was never stamped (route inputs
 that need no gradient, under a backward) measures NaN.
+
+The ``cpu`` and ``wall`` modes read their clock through one seam, ``StepTimer(clock=...)``:
+:func:`knapformer.testing.use_clock` gives a balancer's timer a simulated clock, so that tests
+drive the closed loop with computed seconds and their verdicts never depend on machine load.
 """
 
 from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -57,12 +62,17 @@ def _cuda_event():
 
 
 class StepTimer:
-    """One rank's own-work timer for a step (module docstring). ``mode``: one of :data:`MODES`."""
+    """One rank's own-work timer for a step (module docstring). ``mode``: one of :data:`MODES`;
+    ``clock``: seconds now, read instead of the mode's own clock in the ``cpu`` and ``wall``
+    modes (a simulated clock in tests; CUDA events are never replaced)."""
 
-    def __init__(self, mode: str = "auto") -> None:
+    def __init__(self, mode: str = "auto", clock: Callable[[], float] | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"timer mode must be one of {MODES}, got {mode!r}")
+        if clock is not None and not callable(clock):
+            raise TypeError(f"clock must be a callable returning seconds, got {type(clock).__name__}")
         self.mode = mode
+        self._clock = clock
         self.kind: str | None = None
         """The resolved mode (``cpu``, ``wall`` or ``cuda``), set by the first :meth:`start`."""
         self.running = False
@@ -81,6 +91,8 @@ class StepTimer:
             e = _cuda_event()
             e.record()
             return e
+        if self._clock is not None:
+            return self._clock()
         return time.thread_time() if self.kind == "cpu" else time.perf_counter()
 
     def start(self, device: torch.device) -> None:
