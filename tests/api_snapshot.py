@@ -31,8 +31,10 @@ MODULES = (
     "knapformer.integrations.wan",
     "knapformer.integrations.qwenimage",
     "knapformer.integrations.hunyuanvideo15",
+    "knapformer.integrations.hunyuanvideo15_official",
     "knapformer.integrations.torchtitan_flux",
     "knapformer.integrations.family",
+    "knapformer.integrations.seam",
     "knapformer.integrations.registry",
 )
 """What docs/api.md documents."""

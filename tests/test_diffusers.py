@@ -71,6 +71,29 @@ def test_missing_guidance_is_a_clear_error():
         packed_flux_forward(W.tiny_flux(guidance=True), [W.make_sample(2, 2, 2, 1, guidance=False)])
 
 
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("latents", torch.zeros(4, 3), r"sample 1: latents must be \(T_img, 4\)"),
+        ("text", torch.zeros(3, 5), r"sample 1: text must be \(T_txt, 8\)"),
+        ("img_ids", torch.zeros(5, 3), r"sample 1: img_ids must be \(4, 3\), got \(5, 3\)"),
+        ("txt_ids", torch.zeros(3, 2), r"sample 1: txt_ids must be \(3, 3\), got \(3, 2\)"),
+        ("pooled", torch.zeros(3), r"sample 1: pooled must be \(8,\), got \(3,\)"),
+        ("timestep", torch.zeros(2), "sample 1: timestep must be one value, got 2"),
+    ],
+)
+def test_bad_samples_name_the_sample_and_field(field, value, match):
+    """Every field is checked before anything runs (on every rank of a balancer's group: the
+    seam's ``raise_problem``), naming the sample and the field."""
+    from knapformer.integrations.diffusers import packed_flux_forward
+
+    model = W.tiny_flux()
+    bad = W.make_sample(2, 2, 3, 1)
+    setattr(bad, field, value.double())
+    with pytest.raises(ValueError, match=match):
+        packed_flux_forward(model, [W.make_sample(2, 3, 2, 0), bad])
+
+
 @pytest.mark.parametrize("layout, wrapper", [("g1n2", "none"), ("g2n1", "none"), ("g2n1", "fsdp")])
 def test_balanced_equals_unbalanced_on_two_ranks(layout, wrapper):
     """Outputs and all-reduced gradients equal the stock per-sample computation; in g2n1 one

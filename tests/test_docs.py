@@ -33,7 +33,9 @@ INTEGRATIONS = [
     "knapformer.integrations.wan",
     "knapformer.integrations.qwenimage",
     "knapformer.integrations.hunyuanvideo15",
+    "knapformer.integrations.hunyuanvideo15_official",
     "knapformer.integrations.torchtitan_flux",
+    "knapformer.integrations.seam",
 ]
 
 

@@ -182,3 +182,26 @@ def test_plan_manifest_takes_the_model_flag_and_reports_each_step(capsys, monkey
     assert out[0].split()[:3] == ["step", "seqs", "per"] and len(out) == 3
     assert main([*args, "--bags", "auto", "--heads", "8"]) == 2
     assert "gives the model's sizes; drop --heads" in capsys.readouterr().err
+
+
+def test_loaders_put_one_batch_per_group_on_its_first_gpu(capsys, monkeypatch):
+    """``--loaders 8`` on 64 GPUs (a trainer with a fixed group of 8 loading one sample per
+    group, as HunyuanVideo 1.5's train.py): the sampler's 8-replica steps, each batch on GPU 8i,
+    the other GPUs empty; a count that does not divide the GPUs is refused."""
+    monkeypatch.chdir(ROOT)
+    args = ["cluster", "--manifest", "examples/manifests/realistic.csv", "--gpus", "64"]
+    args += ["--model", "diffusers-hunyuanvideo15-8.3b", "--max-samples", "1", "--steps", "2", "--quiet", "--json"]
+    assert main([*args, "--loaders", "8", "--bags", "g8n8"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    from knapformer.tools.manifest_args import manifest_steps
+
+    ns = type("Args", (), dict(manifest=args[2], tokenizer=None, budget=65_536, max_samples=1, no_buckets=False))
+    ns.seed, ns.loaders = 0, 8
+    steps = manifest_steps(ns, "diffusers-hunyuanvideo15-8.3b", 64, 2).steps
+    lens, buckets = manifest_seq_lens(read_manifest(args[2]), tokenizer_for_model("diffusers-hunyuanvideo15-8.3b"))
+    dealt = dealt_steps(lens, buckets, 8, max_tokens=65_536, steps=2, seed=0, max_samples=1)
+    assert [[s[r] for r in range(0, 64, 8)] for s in steps] == dealt
+    assert all(len(s[r]) == (r % 8 == 0) for s in steps for r in range(64))
+    assert doc["rows"][1]["bags"] == "g8n8" and doc["rows"][0]["max_tokens"] == max(max(s)[0] for s in dealt)
+    assert main([*args, "--loaders", "6"]) == 2
+    assert "--loaders 6 does not divide the 64 GPUs" in capsys.readouterr().err

@@ -1,10 +1,6 @@
-"""What the integrations share: the diffusers import check, the packed output, block calls,
-the executor default, bad-sample reporting, the sizes of a Flux-style preset, grid ids, and
-splitting a synthetic batch into samples.
-
-Private to :mod:`knapformer.integrations`; each integration module (``flux``, ``flux2``,
-``wan``, ``torchtitan_flux``) imports these instead of another integration's names.
-"""
+"""The seam's small pieces: the diffusers import check and builder, the packed output, block
+calls, empty-safe concatenation, grid ids, and a synthetic batch as samples and targets (the
+families reach them through :mod:`knapformer.integrations.seam`)."""
 
 from __future__ import annotations
 
@@ -14,19 +10,16 @@ from dataclasses import dataclass
 import torch
 
 from knapformer.data.batches import Batch
-from knapformer.executor import LocalExecutor, TokenExecutor
 from knapformer.integrations.configs import FluxSizes
 
 __all__ = [
     "BatchSample",
-    "FluxSizes",
     "PackedOutput",
     "batch_samples",
+    "build_diffusers",
     "call_block",
     "cat_or_empty",
-    "executor_or_local",
     "grid_ids",
-    "raise_sample_problem",
     "require_diffusers",
     "stack_scalars",
     "visual_targets",
@@ -50,6 +43,26 @@ def require_diffusers():
             "pip install 'knapformer[diffusers]'"
         )
     return diffusers
+
+
+def build_diffusers(name: str, cfg, *same: str, **args):
+    """A randomly initialised diffusers model class ``name`` (no download) of ``cfg``'s sizes:
+    its heads (``num_attention_heads``, ``attention_head_dim`` from ``num_heads``,
+    ``head_dim``), the config fields ``same`` under their own names, and ``args``."""
+    diffusers = require_diffusers()
+    heads = {"num_attention_heads": cfg.num_heads, "attention_head_dim": cfg.head_dim}
+    return getattr(diffusers, name)(**heads, **{f: getattr(cfg, f) for f in same}, **args)
+
+
+def flux_sizes(cfg: FluxSizes) -> dict:
+    """The constructor arguments a Flux-style preset's sizes give a diffusers Flux or Flux.2."""
+    return {
+        "patch_size": 1,
+        "in_channels": cfg.in_dim,
+        "num_layers": cfg.num_double,
+        "num_single_layers": cfg.num_single,
+        "joint_attention_dim": cfg.text_dim,
+    }
 
 
 class PackedOutput(list):
@@ -76,21 +89,6 @@ def grid_ids(n: int, axes: int = 3, dtype: torch.dtype = torch.float64) -> torch
     ids = torch.zeros(n, axes, dtype=dtype)
     ids[:, -2], ids[:, -1] = pos // w, pos % w
     return ids
-
-
-def executor_or_local(executor: TokenExecutor | None, seq_lens: Sequence[int]) -> TokenExecutor:
-    """The planned executor, or a :class:`LocalExecutor` of these lengths (no balancing)."""
-    return executor if executor is not None else LocalExecutor(seq_lens)
-
-
-def raise_sample_problem(executor: TokenExecutor | None, error: str) -> None:
-    """Raise a malformed sample's ``error``: on every rank of a balancer's group (the others are
-    entering the step's first exchange), or here as a ``ValueError``."""
-    if not error:
-        return
-    if executor is not None:
-        executor.raise_everywhere(error)
-    raise ValueError(error)
 
 
 def call_block(model, block, *args):
@@ -137,6 +135,10 @@ def batch_samples(batch: Batch) -> list[BatchSample]:
 
 def visual_targets(batch: Batch, rows: Sequence[int]) -> torch.Tensor:
     """The targets of the first ``rows[i]`` visual rows of each sequence, concatenated (what a
-    model that outputs only visual tokens is compared with)."""
-    parts = [s.target[:r] for s, r in zip(batch_samples(batch), rows)]
+    model that outputs only visual tokens is compared with); rows a sequence lacks (a text-only
+    sequence's stand-in visual token) get zero targets."""
+    parts = []
+    for s, r in zip(batch_samples(batch), rows):
+        t = s.target[:r]
+        parts.append(torch.cat([t, t.new_zeros(r - t.shape[0], t.shape[1])]) if t.shape[0] < r else t)
     return torch.cat(parts) if parts else batch.target[:0]

@@ -175,17 +175,12 @@ class DiffusersWanConfig:
         return wan_cost(self.dim, self.ffn_dim, self.num_layers, self.num_heads, self.context_len, gamma)
 
 
+_FLUX_DEV = dict(num_heads=24, head_dim=128, num_double=19, num_single=38, in_dim=64, text_dim=4096, vec_dim=768)
+"""FLUX.1-dev's sizes (diffusers' and torchtitan's models alike; RoPE axes (16, 56, 56))."""
+
+
 def _flux_dev() -> DiffusersFluxConfig:
-    return DiffusersFluxConfig(
-        num_heads=24,
-        head_dim=128,
-        num_double=19,
-        num_single=38,
-        in_dim=64,
-        text_dim=4096,
-        vec_dim=768,
-        axes_dims_rope=(16, 56, 56),
-    )
+    return DiffusersFluxConfig(**_FLUX_DEV, axes_dims_rope=(16, 56, 56))
 
 
 def _flux2_dev() -> DiffusersFlux2Config:
@@ -202,16 +197,7 @@ def _flux2_dev() -> DiffusersFlux2Config:
 
 
 def _titan_flux_dev() -> TitanFluxConfig:
-    return TitanFluxConfig(
-        num_heads=24,
-        head_dim=128,
-        num_double=19,
-        num_single=38,
-        in_dim=64,
-        text_dim=4096,
-        vec_dim=768,
-        axes_dim=(16, 56, 56),
-    )
+    return TitanFluxConfig(**_FLUX_DEV, axes_dim=(16, 56, 56))
 
 
 def _wan(heads: int, layers: int, ffn: int) -> Callable[[], DiffusersWanConfig]:

@@ -19,13 +19,27 @@ __all__ = [
 
 
 @dataclass(frozen=True, kw_only=True)
-class DiffusersQwenImageConfig:
-    """A randomly initialised diffusers ``QwenImageTransformer2DModel`` (no download); the
-    defaults are the ``diffusers-qwenimage-tiny`` preset."""
+class _DiTSizes:
+    """What both families' configs start with: heads, head width, layers (the tiny presets')."""
 
     num_heads: int = 4
     head_dim: int = 16
     num_layers: int = 2
+
+    @property
+    def dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def vec_dim(self) -> int:
+        return 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiffusersQwenImageConfig(_DiTSizes):
+    """A randomly initialised diffusers ``QwenImageTransformer2DModel`` (no download); the
+    defaults are the ``diffusers-qwenimage-tiny`` preset."""
+
     in_channels: int = 16
     """Features of one packed 2×2 latent patch (the VAE's channels × 4)."""
     out_channels: int = 4
@@ -38,20 +52,12 @@ class DiffusersQwenImageConfig:
     use_layer3d_rope: bool = False
 
     @property
-    def dim(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
     def in_dim(self) -> int:
         return self.in_channels
 
     @property
     def out_dim(self) -> int:
         return self.patch_size * self.patch_size * self.out_channels
-
-    @property
-    def vec_dim(self) -> int:
-        return 1
 
     def workload(self, gamma: float = 1.0) -> WorkloadModel:
         return WorkloadModel(d_model=self.dim, gamma=gamma, num_layers=self.num_layers, num_heads=self.num_heads)
@@ -82,13 +88,10 @@ def hunyuan_workload(d: int, mlp_ratio: float, layers: int, heads: int, gamma: f
 
 
 @dataclass(frozen=True, kw_only=True)
-class DiffusersHunyuanVideo15Config:
+class DiffusersHunyuanVideo15Config(_DiTSizes):
     """A randomly initialised diffusers ``HunyuanVideo15Transformer3DModel`` (no download); the
     defaults are the ``diffusers-hunyuanvideo15-tiny`` preset."""
 
-    num_heads: int = 4
-    head_dim: int = 16
-    num_layers: int = 2
     num_refiner_layers: int = 1
     mlp_ratio: float = 4.0
     in_channels: int = 9
@@ -106,10 +109,6 @@ class DiffusersHunyuanVideo15Config:
     use_meanflow: bool = False
 
     @property
-    def dim(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
     def in_dim(self) -> int:
         """Features of one video token before the patch embedding (C·p_t·p·p)."""
         return self.in_channels * self.patch_size_t * self.patch_size**2
@@ -117,10 +116,6 @@ class DiffusersHunyuanVideo15Config:
     @property
     def out_dim(self) -> int:
         return self.out_channels * self.patch_size_t * self.patch_size**2
-
-    @property
-    def vec_dim(self) -> int:
-        return 1
 
     def workload(self, gamma: float = 1.0) -> WorkloadModel:
         return hunyuan_workload(self.dim, self.mlp_ratio, self.num_layers, self.num_heads, gamma)

@@ -7,13 +7,17 @@ costs (the planner). The simulator, the calibrator and the tests only ever call 
 they find a family by name through :mod:`knapformer.integrations.registry`. Every adapter
 follows the integration seam: the caller plans the step once with ``inputs.seq_lens`` and
 passes the planned executor to :meth:`ModelFamily.forward`.
+
+:class:`PackedFamily` is that adapter for a family run through a packed forward (the seam of
+:mod:`knapformer.integrations.seam`): it needs the family's builder, its synthetic samples,
+their lengths and the packed forward, and derives the rest.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -23,7 +27,7 @@ from knapformer.data.batches import Batch
 from knapformer.executor import TokenExecutor
 from knapformer.workload import WorkloadModel
 
-__all__ = ["BlockRunner", "ModelDims", "ModelFamily", "StepInputs", "block_runner"]
+__all__ = ["BlockRunner", "ModelDims", "ModelFamily", "PackedFamily", "StepInputs", "block_runner"]
 
 BlockRunner = tuple[str, int, Callable[[Sequence[int], bool], Callable[[], None]]]
 """(block type, layers of that type, make(seq_lens, backward) -> a callable running one block)."""
@@ -106,6 +110,63 @@ class ModelFamily(ABC):
     def blocks(self, device: torch.device, dtype: torch.dtype, causal: bool) -> list[BlockRunner]:
         """One runner per block type for the calibrator."""
         raise ValueError(f"timing blocks of {self.name} models is not supported")
+
+
+class PackedFamily(ModelFamily):
+    """A :class:`ModelFamily` whose model runs through a packed forward. A subclass sets (each a
+    ``staticmethod``) ``build_model`` (config -> model), ``packed_forward`` (model, samples,
+    executor -> a :class:`~knapformer.integrations.seam.PackedOutput`), ``synthetic`` (batch,
+    config, *, seed -> the samples of a synthetic batch) and ``lengths`` (samples -> tokens of
+    each, as the packed forward lays them out), or overrides :meth:`seq_lens` where the lengths
+    need the config; :meth:`target_rows` where the output rows are not the ``latents`` rows.
+    Building, inputs, the forward and the cost model follow."""
+
+    build_model: ClassVar[Callable[[Any], nn.Module]]
+    packed_forward: ClassVar[Callable[..., Any]]
+    synthetic: ClassVar[Callable[..., list]]
+    lengths: ClassVar[Callable[[Sequence], list[int]]]
+
+    def samples(self, batch: Batch) -> list:
+        """The family's samples of a synthetic batch (one per sequence)."""
+        return type(self).synthetic(batch, self.config, seed=0)
+
+    def seq_lens(self, samples: Sequence) -> list[int]:
+        """Tokens of each sample as the packed forward lays them out (the lengths to plan with)."""
+        return type(self).lengths(samples)
+
+    def target_rows(self, samples: Sequence) -> list[int]:
+        """Output rows of each sample: its first visual rows (a text-only sequence's stand-in
+        rows get zero targets). Default: the rows of each sample's ``latents``."""
+        return [int(s.latents.shape[0]) for s in samples]
+
+    def build(self) -> nn.Module:
+        return type(self).build_model(self.config)
+
+    def workload(self, gamma: float = 1.0) -> WorkloadModel:
+        if hasattr(self.config, "workload"):
+            return self.config.workload(gamma)
+        return super().workload(gamma)
+
+    def inputs(self, batch: Batch) -> StepInputs:
+        from knapformer.integrations._diffusers import visual_targets
+
+        samples = self.samples(batch)
+        target = visual_targets(batch, self.target_rows(samples))
+        return StepInputs(seq_lens=self.seq_lens(samples), args=samples, target=target)
+
+    def forward(self, model: nn.Module, inputs: StepInputs, executor: TokenExecutor) -> torch.Tensor:
+        return type(self).packed_forward(getattr(model, "module", model), inputs.args, executor).flat
+
+    def block_model(self, device: torch.device, dtype: torch.dtype, causal: bool, **smaller) -> nn.Module:
+        """A model of this config with ``smaller`` sizes (one layer, for the calibrator) on
+        ``device`` in ``dtype``; refuses ``causal`` (these families attend bidirectionally)."""
+        if causal:
+            raise ValueError(
+                f"--causal applies to the transformer presets only ({self.name} attention is bidirectional)"
+            )
+        model = type(self).build_model(replace(self.config, **smaller)).to(device)
+        # (a dtype argument, even float32, makes diffusers warn)
+        return model.to(dtype) if dtype != torch.float32 else model
 
 
 def block_runner(forward: Callable[[], torch.Tensor], backward: bool) -> Callable[[], None]:

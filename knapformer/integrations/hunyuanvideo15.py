@@ -6,9 +6,9 @@
 
 Each sample brings its own frame count (an image is one frame), resolution, timestep and the
 model's three kinds of conditioning, each of its own length: MLLM text (Qwen2.5-VL states,
-refined by the model's token refiner), byT5 glyph text, and for I2V SigLIP image tokens. The
-model's own modules and weights do all the math; nothing is patched globally (the processor
-and hooks are in :mod:`knapformer.integrations.hunyuanvideo15_attention`). How:
+refined by the model's token refiner), byT5 glyph text, and for I2V SigLIP image tokens.
+Through the family seam (:mod:`knapformer.integrations.seam`; the processor and the refiner
+are in :mod:`knapformer.integrations.hunyuanvideo15_attention`), what is its own:
 
 - **Conditioning at home**, as the stock forward builds it per sample: the refiner over the
   sample's kept MLLM rows (their mean, its time embedding, self-attention within the sample),
@@ -18,10 +18,8 @@ and hooks are in :mod:`knapformer.integrations.hunyuanvideo15_attention`). How:
 - **One packed stream per sample**: its video tokens (the stock patch embedding), then its
   context, routed right after embedding with integer (frame, row, column) positions; each
   routed video token's RoPE is the stock ``get_1d_rotary_pos_embed`` at its position.
-- **Per-sample modulation at stock cost**: the time embedding runs once per sample, is gathered
-  to the group, and every AdaLN ``linear(silu(temb))`` runs once per sample this rank holds
-  tokens of, expanded to tokens by index ("batch = tokens": activations are ``[T, 1, D]``).
-  Blocks run as their own ``forward`` (FSDP2 per block, ``gradient_checkpointing``).
+- **Modulation**: every AdaLN ``linear(silu(temb))`` runs once per sample this rank holds
+  tokens of (``PerSample``).
 
 Where it differs from a stock *batch*: the stock forward decides text-to-video for the whole
 batch (``torch.all(image_embeds == 0)``), so a batch mixing I2V and T2V samples attends to the
@@ -37,34 +35,21 @@ Importing knapformer never imports diffusers; this module does (diffusers >= 0.3
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from knapformer.executor import LocalExecutor, TokenExecutor, local_positions
-from knapformer.integrations._diffusers import (
-    PackedOutput,
-    batch_samples,
-    call_block,
-    cat_or_empty,
-    executor_or_local,
-    raise_sample_problem,
-    require_diffusers,
-    stack_scalars,
-)
+from knapformer.executor import TokenExecutor
+from knapformer.integrations import seam
 from knapformer.integrations.configs_dit import HUNYUANVIDEO15_PRESETS, DiffusersHunyuanVideo15Config, hunyuan_workload
-from knapformer.integrations.family import ModelFamily, StepInputs, block_runner
 from knapformer.integrations.hunyuanvideo15_attention import (
     HunyuanPacked,
-    PerSample,
     prepare_hunyuanvideo15,
     refine_text,
     rope_rows,
 )
-from knapformer.models.layers import merge_streams, split_streams
 from knapformer.workload import WorkloadModel
 
 __all__ = [
@@ -99,7 +84,7 @@ class HunyuanVideo15Sample:
     """() the MeanFlow reference timestep (``use_meanflow`` models), or None."""
 
 
-class PackedHunyuanVideo15Output(PackedOutput):
+class PackedHunyuanVideo15Output(seam.PackedOutput):
     """Per-sample outputs (C_out, F, H, W) in order, plus ``flat``: this rank's outputs as
     (T, C_out·p_t·p·p) token rows (sample order; see ``PackedOutput``)."""
 
@@ -115,25 +100,10 @@ def hunyuanvideo15_workload(model, *, gamma: float = 1.0) -> WorkloadModel:
 
 def build_hunyuanvideo15(cfg: DiffusersHunyuanVideo15Config):
     """Random-init ``HunyuanVideo15Transformer3DModel`` for a :class:`DiffusersHunyuanVideo15Config`."""
-    require_diffusers()
-    from diffusers import HunyuanVideo15Transformer3DModel
-
-    return HunyuanVideo15Transformer3DModel(
-        in_channels=cfg.in_channels,
-        out_channels=cfg.out_channels,
-        num_attention_heads=cfg.num_heads,
-        attention_head_dim=cfg.head_dim,
-        num_layers=cfg.num_layers,
-        num_refiner_layers=cfg.num_refiner_layers,
-        mlp_ratio=cfg.mlp_ratio,
-        patch_size=cfg.patch_size,
-        patch_size_t=cfg.patch_size_t,
-        text_embed_dim=cfg.text_dim,
-        text_embed_2_dim=cfg.text_2_dim,
-        image_embed_dim=cfg.image_dim,
-        rope_axes_dim=cfg.rope_axes_dim,
-        use_meanflow=cfg.use_meanflow,
-    )
+    same = ("in_channels", "out_channels", "num_layers", "num_refiner_layers", "mlp_ratio", "patch_size")
+    same += ("patch_size_t", "rope_axes_dim", "use_meanflow")
+    widths = {"text_embed_dim": cfg.text_dim, "text_embed_2_dim": cfg.text_2_dim, "image_embed_dim": cfg.image_dim}
+    return seam.build_diffusers("HunyuanVideo15Transformer3DModel", cfg, *same, **widths)
 
 
 # -- per-sample pieces ---------------------------------------------------------------------------------
@@ -164,41 +134,33 @@ def _parts(model, s: HunyuanVideo15Sample) -> tuple[int, int, int, int]:
 def hunyuanvideo15_seq_lens(model, samples: Sequence[HunyuanVideo15Sample]) -> list[int]:
     """Tokens of each sample (video + image + byT5 + MLLM kept rows): the lengths to plan with.
     Never raises for a malformed sample: the forward reports it on every rank of the group."""
-    out = []
-    for s in samples:
-        try:
-            out.append(sum(_parts(model, s)))
-        except (AttributeError, IndexError, RuntimeError, TypeError, ValueError):
-            out.append(0)
-    return out
+    return seam.safe_lens(lambda s: sum(_parts(model, s)), samples)
 
 
 def _problem(model, samples: Sequence[HunyuanVideo15Sample]) -> str:
     """Why these samples cannot run on this model ("" if they can)."""
     c = model.config
     p = (c.patch_size_t, c.patch_size, c.patch_size)
-    for i, s in enumerate(samples):
+
+    def of(i: int, s: HunyuanVideo15Sample):
         shape = tuple(s.latents.shape)
         if len(shape) != 4 or shape[0] != c.in_channels:
-            return f"sample {i}: latents must be ({c.in_channels}, F, H, W), got {shape}"
+            yield f"sample {i}: latents must be ({c.in_channels}, F, H, W), got {shape}"
         if any(n % k or n == 0 for n, k in zip(shape[1:], p)):
-            return f"sample {i}: latents (F, H, W) = {shape[1:]} must be positive multiples of the patch size {p}"
-        for name, t, m, width in (
-            ("text", s.text, s.text_mask, c.text_embed_dim),
-            ("text_2", s.text_2, s.text_2_mask, c.text_embed_2_dim),
-            ("image_embeds", s.image_embeds, None, c.image_embed_dim),
+            yield f"sample {i}: latents (F, H, W) = {shape[1:]} must be positive multiples of the patch size {p}"
+        for name, t, m, width, optional in (
+            ("text", s.text, s.text_mask, c.text_embed_dim, False),
+            ("text_2", s.text_2, s.text_2_mask, c.text_embed_2_dim, True),
+            ("image_embeds", s.image_embeds, None, c.image_embed_dim, True),
         ):
-            if t is None and name != "text":
-                continue
-            if t is None or t.dim() != 2 or t.shape[1] != width:
-                return f"sample {i}: {name} must be (L, {width}), got {None if t is None else tuple(t.shape)}"
-            if m is not None and tuple(torch.as_tensor(m).shape) != (t.shape[0],):
-                return f"sample {i}: the mask of {name} must be ({t.shape[0]},), got {tuple(torch.as_tensor(m).shape)}"
-        if torch.as_tensor(s.timestep).numel() != 1:
-            return f"sample {i}: timestep must be one value, got {torch.as_tensor(s.timestep).numel()}"
+            yield seam.rows_problem(i, name, t, width, optional=optional)
+            if t is not None:
+                yield seam.mask_problem(i, f"the mask of {name}", m, t.shape[0])
+        yield seam.scalar_problem(i, "timestep", s.timestep)
         if s.timestep_r is not None and not c.use_meanflow:
-            return f"sample {i}: timestep_r is given but this model has no MeanFlow embedder (use_meanflow=False)"
-    return ""
+            yield f"sample {i}: timestep_r is given but this model has no MeanFlow embedder (use_meanflow=False)"
+
+    return seam.first(p for i, s in enumerate(samples) for p in of(i, s))
 
 
 # -- forward -------------------------------------------------------------------------------------------
@@ -209,7 +171,7 @@ def _time(model, samples, ts, dtype, device) -> torch.Tensor:
     if te.use_meanflow:  # (runs on no rows too: every rank's parameters get a gradient)
         has = torch.tensor([s.timestep_r is not None for s in samples], dtype=torch.bool)
         idx = torch.nonzero(has).flatten().to(device)
-        r = stack_scalars([s.timestep_r for s in samples if s.timestep_r is not None], device, dtype)
+        r = seam.stack_scalars([s.timestep_r for s in samples if s.timestep_r is not None], device, dtype)
         temb = temb.index_add(0, idx, te.timestep_embedder_r(te.time_proj_r(r).to(dtype)))
     return temb
 
@@ -222,74 +184,58 @@ def packed_hunyuanvideo15_forward(
     ``executor`` is a ``SequenceBalancer`` already planned for this step with
     ``hunyuanvideo15_seq_lens(model, samples)`` (every rank of the group calls this function),
     a ``LocalExecutor``, or None (everything on this process)."""
-    prepare_hunyuanvideo15(model)
-    raise_sample_problem(executor, _problem(model, samples))
-    c = model.config
     proj = model.x_embedder.proj
-    device, dtype = proj.weight.device, proj.weight.dtype
+    c, device, dtype = seam.begin(model, samples, executor, prepare_hunyuanvideo15, _problem, proj.weight)
     grids = [_grid(model, s.latents) for s in samples]
-    parts = [_parts(model, s) for s in samples]
-    seq_lens = [sum(p) for p in parts]
-    ts = stack_scalars([s.timestep for s in samples], device, dtype)
+    pk = seam.Packing([_parts(model, s) for s in samples], _STREAMS, device)
+    ts = seam.stack_scalars([s.timestep for s in samples], device, dtype)
     # 1. embed at home: every module runs (on empty inputs too), so every parameter gets a gradient
     if samples:
         vid = torch.cat([model.x_embedder(s.latents[None].to(device, dtype))[0] for s in samples])
     else:
         vid = proj(torch.zeros(0, c.in_channels, *proj.kernel_size, device=device, dtype=dtype)).flatten(1)
-    imgs = [s.image_embeds for s, p in zip(samples, parts) if p[1]]
-    img = model.image_embedder(cat_or_empty(imgs, (0, c.image_embed_dim), device, dtype))
+    imgs = [s.image_embeds for s in samples if _image_rows(s)]
+    img = model.image_embedder(seam.cat_or_empty(imgs, (0, c.image_embed_dim), device, dtype))
     b5 = [s.text_2.index_select(0, _kept(s.text_2, s.text_2_mask)) for s in samples if s.text_2 is not None]
-    b5 = model.context_embedder_2(cat_or_empty(b5, (0, c.text_embed_2_dim), device, dtype))
+    b5 = model.context_embedder_2(seam.cat_or_empty(b5, (0, c.text_embed_2_dim), device, dtype))
     mllm = [s.text.index_select(0, _kept(s.text, s.text_mask)) for s in samples]
     txt = refine_text(model, mllm, ts, device, dtype)
     kinds = torch.cat([torch.full((n.shape[0],), k, device=device) for k, n in ((2, img), (1, b5), (0, txt))])
     ctx = torch.cat([img, b5, txt]) + model.cond_type_embed(kinds.long())
-    h_local = torch.cat([vid, ctx]).index_select(0, _order(parts, device))
+    h_local = pk.merge(vid, *torch.split(ctx, [img.shape[0], b5.shape[0], txt.shape[0]]))
     pos = [
         torch.cat([_positions(*g, device), torch.zeros(n - math.prod(g), 3, dtype=torch.int64, device=device)])
-        for g, n in zip(grids, seq_lens)
+        for g, n in zip(grids, pk.seq_lens)
     ]  # context rows have no position
-    pos_local = cat_or_empty(pos, (0, 3), device, torch.int64)
-    # 2. route with the grid positions; per-sample conditioning to the group
-    ex = executor_or_local(executor, seq_lens)
-    h, pos_r = ex.route(h_local, pos_local, seq_lens=seq_lens)
+    # 2. route with the grid positions; the time embedding to the group
     temb = _time(model, samples, ts, dtype, device)
-    nv = torch.tensor([p[0] for p in parts], dtype=torch.int64, device=device)
-    temb_all, nv_all = ex.gather_sequences(temb, nv, names=("time embedding", "video tokens"))
-    seq_id, p = ex.routed_positions(device)
-    present, slot = torch.unique(seq_id, sorted=True, return_inverse=True)  # samples with tokens here
-    r_vid, r_ctx, r_inv = split_streams(p < nv_all.index_select(0, seq_id))
-    temb_p = temb_all.index_select(0, present)
-    per = PerSample(temb_p, {"vid": slot.index_select(0, r_vid), "ctx": slot.index_select(0, r_ctx)})
-    packed = HunyuanPacked(ex, r_inv, torch.cat([r_vid, r_ctx]))
-    rope = rope_rows(model, pos_r.index_select(0, r_vid))
-    vid_s, ctx_s = h.index_select(0, r_vid).unsqueeze(1), h.index_select(0, r_ctx).unsqueeze(1)  # (T, 1, D)
+    r = pk.route(
+        executor, h_local, seam.cat_or_empty(pos, (0, 3), device, torch.int64), per_sample=(temb,), names=("temb",)
+    )
+    temb_p = r.present_rows(r.per_sample[0])
+    per = seam.PerSample(temb_p, {"vid": r.slot_of("vid"), "ctx": r.slot_of("ctx")})
+    packed = HunyuanPacked(routed=r)
+    rope = rope_rows(model, r.take(r.side[0], "vid"))
+    vid_s, ctx_s = r.take(r.h, "vid").unsqueeze(1), r.take(r.h, "ctx").unsqueeze(1)  # (T, 1, D)
     # 3. stock dual-stream blocks
     for block in model.transformer_blocks:
-        vid_s, ctx_s = call_block(model, block, vid_s, ctx_s, per, packed, rope)
+        vid_s, ctx_s = seam.call_block(model, block, vid_s, ctx_s, per, packed, rope)
     # 4. the stock output norm with each video token's own row, the projection, back home
     mod = model.norm_out.linear(model.norm_out.silu(temb_p).to(dtype)).index_select(0, per.rows["vid"])
     scale, shift = torch.chunk(mod, 2, dim=1)
     out_vid = model.proj_out(model.norm_out.norm(vid_s) * (1 + scale)[:, None, :] + shift[:, None, :])[:, 0]
-    out = ex.reverse_route(merge_streams(out_vid, out_vid.new_zeros(r_ctx.numel(), out_vid.shape[1]), r_inv))
-    seq_l, pos_l = local_positions(seq_lens, device)
-    rows = out.index_select(0, torch.nonzero(pos_l < nv.index_select(0, seq_l)).flatten()) if samples else out[:0]
+    rows = r.home(r.merge(out_vid, out_vid.new_zeros(r.count("ctx"), out_vid.shape[1])), 0)
     return PackedHunyuanVideo15Output.of(_unpatchify(model, rows, grids), rows)
+
+
+_STREAMS = {"vid": (0,), "ctx": (1, 2, 3)}
+"""A sample's segments: its video, then its image, byT5 and MLLM context (the stock order)."""
 
 
 def _positions(f: int, h: int, w: int, device) -> torch.Tensor:
     """(f·h·w, 3) int64 (frame, row, column) of each video token in stock flatten order."""
     grid = torch.meshgrid(*(torch.arange(n, device=device) for n in (f, h, w)), indexing="ij")
     return torch.stack(grid, dim=-1).reshape(-1, 3)
-
-
-def _order(parts, device) -> torch.Tensor:
-    """Rows of ``cat([video of all samples, image of all, byT5 of all, MLLM of all])`` in the
-    packed layout: per sample its video, then its image, byT5 and MLLM tokens (the stock order)."""
-    sizes = torch.tensor(parts, dtype=torch.int64).reshape(-1, 4)
-    starts = (sizes.T.reshape(-1).cumsum(0) - sizes.T.reshape(-1)).reshape(4, -1).T
-    idx = [torch.arange(int(n)) + int(s0) for row, st in zip(sizes, starts) for n, s0 in zip(row, st)]
-    return torch.cat(idx).to(device) if idx else torch.zeros(0, dtype=torch.int64, device=device)
 
 
 def _unpatchify(model, rows: torch.Tensor, grids) -> list[torch.Tensor]:
@@ -309,7 +255,7 @@ def samples_from_batch(batch, cfg: DiffusersHunyuanVideo15Config, *, seed: int) 
     g = torch.Generator().manual_seed(seed)
     pt, p, C = cfg.patch_size_t, cfg.patch_size, cfg.in_channels
     out = []
-    for s in batch_samples(batch):
+    for s in seam.batch_samples(batch):
         n = max(int(s.visual.shape[0]), 1)
         h = next(d for d in range(math.isqrt(n), 0, -1) if n % d == 0)
         rows = s.visual[:, : cfg.in_dim] if s.visual.shape[0] else batch.x.new_zeros(1, cfg.in_dim)
@@ -319,59 +265,37 @@ def samples_from_batch(batch, cfg: DiffusersHunyuanVideo15Config, *, seed: int) 
     return out
 
 
-class HunyuanVideo15Family(ModelFamily):
+class HunyuanVideo15Family(seam.PackedFamily):
     """Stock diffusers ``HunyuanVideo15Transformer3DModel`` for the tools (presets
     ``diffusers-hunyuanvideo15-tiny`` and ``diffusers-hunyuanvideo15-8.3b``, the released size)."""
 
     name = "diffusers-hunyuanvideo15"
     presets = HUNYUANVIDEO15_PRESETS
+    build_model, packed_forward = staticmethod(build_hunyuanvideo15), staticmethod(packed_hunyuanvideo15_forward)
+    synthetic = staticmethod(samples_from_batch)
 
-    def build(self):
-        return build_hunyuanvideo15(self.config)
+    def seq_lens(self, samples):
+        return [v + int(s.text.shape[0]) for v, s in zip(self.target_rows(samples), samples)]
 
-    def workload(self, gamma: float = 1.0) -> WorkloadModel:
-        return self.config.workload(gamma)
-
-    def inputs(self, batch):
-        """Samples of a batch and the targets of their video rows (a text-only sequence's
-        1-token stand-in gets a zero target)."""
+    def target_rows(self, samples):
         cfg = self.config
-        samples = samples_from_batch(batch, cfg, seed=0)
-        zero = batch.target.new_zeros(1, cfg.out_dim)
-        parts = [s.target if s.visual.shape[0] else zero for s in batch_samples(batch)]
-        target = torch.cat(parts) if parts else batch.target[:0]
-        video = [math.prod(s.latents.shape[1:]) // (cfg.patch_size_t * cfg.patch_size**2) for s in samples]
-        return StepInputs(
-            seq_lens=[v + int(s.text.shape[0]) for v, s in zip(video, samples)], args=samples, target=target
-        )
-
-    def forward(self, model, inputs, executor):
-        return packed_hunyuanvideo15_forward(getattr(model, "module", model), inputs.args, executor).flat
+        return [math.prod(s.latents.shape[1:]) // (cfg.patch_size_t * cfg.patch_size**2) for s in samples]
 
     def blocks(self, device, dtype, causal):
         """One stock dual-stream block on packed tokens of the given lengths (an eighth of each
         sequence context, the rest video), through a ``LocalExecutor``."""
-        if causal:
-            raise ValueError(
-                "--causal applies to the transformer presets only (HunyuanVideo attention is bidirectional)"
-            )
         cfg = self.config
-        model = build_hunyuanvideo15(dataclasses.replace(cfg, num_layers=1, num_refiner_layers=1)).to(device)
-        if dtype != torch.float32:  # (a dtype argument, even float32, makes diffusers warn)
-            model = model.to(dtype)
+        model = self.block_model(device, dtype, causal, num_layers=1, num_refiner_layers=1)
         prepare_hunyuanvideo15(model)
         block = model.transformer_blocks[0]
 
         def make(seq_lens, backward):
-            ex = LocalExecutor(seq_lens)
-            seq, p = local_positions(seq_lens, device)
-            r_vid, r_ctx, r_inv = split_streams(p >= torch.tensor([n // 8 for n in seq_lens], device=device)[seq])
+            r = seam.timing_tokens(seq_lens, {"vid": (1,), "ctx": (0,)}, device)
             temb = torch.randn(len(seq_lens), cfg.dim, device=device, dtype=dtype)
-            per = PerSample(temb, {"vid": seq.index_select(0, r_vid), "ctx": seq.index_select(0, r_ctx)})
-            packed = HunyuanPacked(ex, r_inv, torch.cat([r_vid, r_ctx]))
-            rope = rope_rows(model, torch.stack([torch.zeros_like(p), p // 64, p % 64], 1).index_select(0, r_vid))
+            per = seam.PerSample(temb, {"vid": r.sample_of("vid"), "ctx": r.sample_of("ctx")})
+            rope = rope_rows(model, r.take(r.side[0], "vid"))
             x = lambda n: torch.randn(n, 1, cfg.dim, device=device, dtype=dtype, requires_grad=backward)  # noqa: E731
-            vid, ctx = x(r_vid.numel()), x(r_ctx.numel())
-            return block_runner(lambda: torch.cat(block(vid, ctx, per, packed, rope)), backward)
+            vid, ctx = x(r.count("vid")), x(r.count("ctx"))
+            return seam.block_runner(lambda: torch.cat(block(vid, ctx, per, HunyuanPacked(routed=r), rope)), backward)
 
         return [("hunyuanvideo15", cfg.num_layers, make)]

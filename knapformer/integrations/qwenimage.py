@@ -6,14 +6,12 @@
 
 Each sample brings its own resolution, text (with its encoder mask, or unpadded), timestep and,
 for edit models, reference images (after the target's tokens, as the stock pipeline joins them;
-their outputs are dropped). The model's own modules and weights do all the math; nothing is
-patched globally. How:
+their outputs are dropped). Through the family seam (:mod:`knapformer.integrations.seam`),
+what is Qwen-Image's own:
 
-- **"batch = tokens"**: activations are ``[T, 1, D]``; each block's ``img_mod(temb)`` and
-  ``txt_mod(temb)`` run once per *sample* (the block's ``temb`` holds the samples this rank has
-  tokens of) and a forward hook on each expands the (samples, 6·D) result to the stream's tokens
-  by index: the stock FLOPs. A forward pre-hook on the block reads which rows from its
-  ``joint_attention_kwargs`` argument, so activation-checkpoint recompute sees them.
+- **Modulation**: each block's ``img_mod(temb)`` and ``txt_mod(temb)`` run once per *sample*
+  (``temb`` holds the samples this rank has tokens of; the block chunks it itself, so a block
+  pre-hook notes the token rows from its ``joint_attention_kwargs``).
 - **``modulate_index``** (``zero_cond_t`` edit models): the stock model embeds ``[t, 0]`` and
   modulates the first image's tokens with the first, every later (reference) image's with the
   second; here ``temb`` holds the ``t`` rows then the zero-timestep rows and the hook picks
@@ -25,8 +23,6 @@ patched globally. How:
   ``pos_freqs``/``neg_freqs``; the stock ``apply_rotary_emb_qwen`` rotates q and k.
 - **Text masks**: masked-out text tokens are dropped (the stock processor masks them as keys,
   so they never reach a kept token); kept tokens keep their positions.
-- :class:`PackedQwenAttnProcessor` (set on this instance) attends within each sample through
-  the executor (Ulysses inside the sample's group; rings beyond the heads).
 
 Exactness: fp64 outputs and gradients equal the stock per-sample forward to ~1e-15. The stock
 RoPE rotates in fp32, so where the attention sums in another order (a ring plan) the next
@@ -39,26 +35,15 @@ Importing knapformer never imports diffusers; this module does (diffusers >= 0.3
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from knapformer.executor import LocalExecutor, TokenExecutor, local_positions
-from knapformer.integrations._diffusers import (
-    PackedOutput,
-    batch_samples,
-    call_block,
-    cat_or_empty,
-    executor_or_local,
-    raise_sample_problem,
-    require_diffusers,
-    stack_scalars,
-)
+from knapformer.executor import TokenExecutor
+from knapformer.integrations import seam
 from knapformer.integrations.configs_dit import QWENIMAGE_PRESETS, DiffusersQwenImageConfig
-from knapformer.integrations.family import ModelFamily, StepInputs, block_runner
 from knapformer.integrations.qwenimage_attention import (
     TABLE,
     PackedQwenAttnProcessor,
@@ -66,7 +51,6 @@ from knapformer.integrations.qwenimage_attention import (
     prepare_qwenimage,
     rope_rows,
 )
-from knapformer.models.layers import merge_streams, split_streams
 from knapformer.workload import WorkloadModel
 
 __all__ = [
@@ -115,29 +99,16 @@ class QwenImageSample:
         return torch.nonzero(torch.as_tensor(self.text_mask).reshape(-1).to(torch.bool).cpu()).flatten()
 
 
-class PackedQwenImageOutput(PackedOutput):
+class PackedQwenImageOutput(seam.PackedOutput):
     """Per-sample outputs (T_img_i, patch²·out_channels) in order (reference tokens' dropped),
     plus ``flat``: this rank's outputs as one tensor (see ``PackedOutput``)."""
 
 
 def build_qwenimage(cfg: DiffusersQwenImageConfig):
     """Random-init ``QwenImageTransformer2DModel`` for a :class:`DiffusersQwenImageConfig`."""
-    require_diffusers()
-    from diffusers import QwenImageTransformer2DModel
-
-    return QwenImageTransformer2DModel(
-        patch_size=cfg.patch_size,
-        in_channels=cfg.in_channels,
-        out_channels=cfg.out_channels,
-        num_layers=cfg.num_layers,
-        attention_head_dim=cfg.head_dim,
-        num_attention_heads=cfg.num_heads,
-        joint_attention_dim=cfg.text_dim,
-        axes_dims_rope=cfg.axes_dims_rope,
-        zero_cond_t=cfg.zero_cond_t,
-        use_additional_t_cond=cfg.use_additional_t_cond,
-        use_layer3d_rope=cfg.use_layer3d_rope,
-    )
+    same = ("patch_size", "in_channels", "out_channels", "num_layers", "axes_dims_rope", "zero_cond_t")
+    flags = ("use_additional_t_cond", "use_layer3d_rope")
+    return seam.build_diffusers("QwenImageTransformer2DModel", cfg, *same, *flags, joint_attention_dim=cfg.text_dim)
 
 
 def qwenimage_workload(model, *, gamma: float = 1.0) -> WorkloadModel:
@@ -157,13 +128,7 @@ def qwenimage_seq_lens(samples: Sequence[QwenImageSample]) -> list[int]:
     """Tokens of each sample as the packed forward lays them out (kept text, image, reference
     images): the lengths to plan the step with. Never raises for a malformed sample: the
     forward reports it on every rank of the group."""
-    out = []
-    for s in samples:
-        try:
-            out.append(int(s.text_rows().numel()) + int(s.latents.shape[0]) + s.num_ref)
-        except (AttributeError, IndexError, RuntimeError, TypeError):
-            out.append(0)
-    return out
+    return seam.safe_lens(lambda s: s.text_rows().numel() + s.latents.shape[0] + s.num_ref, samples)
 
 
 # -- positions ---------------------------------------------------------------------------------------
@@ -188,37 +153,29 @@ def _positions(model, s: QwenImageSample) -> tuple[torch.Tensor, torch.Tensor]:
 def _problem(model, samples: Sequence[QwenImageSample]) -> str:
     """Why these samples cannot run on this model ("" if they can)."""
     c = model.config
-    for i, s in enumerate(samples):
-        if s.latents.dim() != 2 or s.latents.shape[1] != c.in_channels:
-            return f"sample {i}: latents must be (T_img, {c.in_channels}), got {tuple(s.latents.shape)}"
-        if s.text.dim() != 2 or s.text.shape[1] != c.joint_attention_dim:
-            return f"sample {i}: text must be (L_txt, {c.joint_attention_dim}), got {tuple(s.text.shape)}"
-        if s.text_mask is not None and tuple(torch.as_tensor(s.text_mask).shape) != (s.text.shape[0],):
-            return (
-                f"sample {i}: text_mask must be ({s.text.shape[0]},), got {tuple(torch.as_tensor(s.text_mask).shape)}"
-            )
+
+    def of(i: int, s: QwenImageSample):
+        yield seam.rows_problem(i, "latents", s.latents, c.in_channels, rows="T_img")
+        yield seam.rows_problem(i, "text", s.text, c.joint_attention_dim, rows="L_txt")
+        yield seam.mask_problem(i, "text_mask", s.text_mask, s.text.shape[0])
         shapes = s.img_shapes
         if not shapes or any(len(g) != 3 or min(int(v) for v in g) < 1 for g in shapes):
-            return (
-                f"sample {i}: img_shapes must be a non-empty list of positive (frames, rows, columns), got {shapes!r}"
-            )
-        n_img = int(s.latents.shape[0]) + s.num_ref
-        if sum(math.prod(g) for g in shapes) != n_img:
-            held = sum(math.prod(g) for g in shapes)
-            return f"sample {i}: img_shapes {shapes} hold {held} tokens; latents + ref_latents have {n_img}"
-        if torch.as_tensor(s.timestep).numel() != 1:
-            return f"sample {i}: timestep must be one value, got {torch.as_tensor(s.timestep).numel()}"
-        if s.ref_latents is not None and (s.ref_latents.dim() != 2 or s.ref_latents.shape[1] != c.in_channels):
-            return f"sample {i}: ref_latents must be (T_ref, {c.in_channels}), got {tuple(s.ref_latents.shape)}"
+            yield f"sample {i}: img_shapes must be a non-empty list of positive (frames, rows, columns), got {shapes!r}"
+        n_img, held = int(s.latents.shape[0]) + s.num_ref, sum(math.prod(g) for g in shapes)
+        if held != n_img:
+            yield f"sample {i}: img_shapes {shapes} hold {held} tokens; latents + ref_latents have {n_img}"
+        yield seam.scalar_problem(i, "timestep", s.timestep)
+        yield seam.rows_problem(i, "ref_latents", s.ref_latents, c.in_channels, optional=True, rows="T_ref")
         if c.use_layer3d_rope and shapes[-1][0] != 1:
-            return f"sample {i}: a layered model's last (condition) image must have 1 frame, got {shapes[-1]}"
+            yield f"sample {i}: a layered model's last (condition) image must have 1 frame, got {shapes[-1]}"
         if c.use_additional_t_cond and s.additional_t_cond is None:
-            return f"sample {i}: this model has use_additional_t_cond: every sample needs additional_t_cond"
+            yield f"sample {i}: this model has use_additional_t_cond: every sample needs additional_t_cond"
         txt, img = _positions(model, s)
         hi = max(int(img.max()), int(txt.max()) if txt.numel() else 0)
         if hi >= TABLE or int(img.min()) < -TABLE:
-            return f"sample {i}: RoPE position {hi} (text after the image) exceeds the model's table ({TABLE})"
-    return ""
+            yield f"sample {i}: RoPE position {hi} (text after the image) exceeds the model's table ({TABLE})"
+
+    return seam.first(p for i, s in enumerate(samples) for p in of(i, s))
 
 
 # -- forward -------------------------------------------------------------------------------------------
@@ -230,66 +187,50 @@ def packed_qwenimage_forward(
     ``executor`` is a ``SequenceBalancer`` already planned for this step with
     ``qwenimage_seq_lens(samples)`` (every rank of the group calls this function), a
     ``LocalExecutor``, or None (attention within each sample on this process)."""
-    prepare_qwenimage(model)
-    raise_sample_problem(executor, _problem(model, samples))
-    c = model.config
-    device, dtype = model.img_in.weight.device, model.img_in.weight.dtype
+    c, device, dtype = seam.begin(model, samples, executor, prepare_qwenimage, _problem, model.img_in.weight)
     keep = [s.text_rows() for s in samples]
-    txt_lens = [int(k.numel()) for k in keep]
     img_lens = [int(s.latents.shape[0]) + s.num_ref for s in samples]
-    seq_lens = [t + i for t, i in zip(txt_lens, img_lens)]
+    pk = seam.Packing([(k.numel(), n) for k, n in zip(keep, img_lens)], _STREAMS, device)
     # 1. embed at home: every embedder runs (on empty inputs too), so every parameter gets a gradient
     vis = [torch.cat([s.latents, s.ref_latents]) if s.num_ref else s.latents for s in samples]
-    img_h = model.img_in(cat_or_empty(vis, (0, c.in_channels), device, dtype))
+    img_h = model.img_in(seam.cat_or_empty(vis, (0, c.in_channels), device, dtype))
     txt = [s.text.index_select(0, k) for s, k in zip(samples, keep)]
-    txt_h = model.txt_in(model.txt_norm(cat_or_empty(txt, (0, c.joint_attention_dim), device, dtype)))
-    ts = stack_scalars([s.timestep for s in samples], device, dtype)
+    txt_h = model.txt_in(model.txt_norm(seam.cat_or_empty(txt, (0, c.joint_attention_dim), device, dtype)))
+    ts = seam.stack_scalars([s.timestep for s in samples], device, dtype)
     extra = None
     if c.use_additional_t_cond:
         extra = torch.tensor([int(s.additional_t_cond) for s in samples], dtype=torch.long, device=device)
     temb = model.time_text_embed(ts, img_h, extra)  # (S, D): once per sample, as the stock batch
     zero = model.time_text_embed(ts * 0, img_h, extra) if c.zero_cond_t else temb[:, :0]
-    pos = [torch.cat(_positions(model, s)) for s in samples]
-    seq_l, pos_l = local_positions(seq_lens, device)
-    tl = torch.tensor(txt_lens, dtype=torch.int64, device=device)
-    first = torch.tensor([math.prod(s.img_shapes[0]) for s in samples], dtype=torch.int64, device=device)
-    is_txt = pos_l < tl[seq_l] if seq_l.numel() else torch.zeros(0, dtype=torch.bool, device=device)
-    _, i_img, inv = split_streams(is_txt)
-    h_local = merge_streams(txt_h, img_h, inv)
+    pos = seam.cat_or_empty([torch.cat(_positions(model, s)) for s in samples], (0, 3), device, torch.int64)
+    first_img = torch.tensor([math.prod(s.img_shapes[0]) for s in samples], dtype=torch.int64, device=device)
     # 2. route (with the RoPE positions); per-sample conditioning to the group
-    ex = executor_or_local(executor, seq_lens)
-    h, pos_r = ex.route(h_local, cat_or_empty(pos, (0, 3), device, torch.int64), seq_lens=seq_lens)
-    temb_all, zero_all, txt_all, first_all = ex.gather_sequences(temb, zero, tl, first, names=_GATHERED)
-    seq_id, p = ex.routed_positions(device)
-    present, slot = torch.unique(seq_id, sorted=True, return_inverse=True)  # samples with tokens here
-    r_txt, r_img, r_inv = split_streams(p < txt_all.index_select(0, seq_id))
-    img_rows = slot.index_select(0, r_img)
+    r = pk.route(executor, pk.merge(txt_h, img_h), pos, per_sample=(temb, zero, first_img), names=_GATHERED)
+    temb_all, zero_all, first_all = r.per_sample
+    img_rows = r.slot_of("img")
     if c.zero_cond_t:  # modulate_index: reference-image tokens take the zero-timestep rows
-        q = p.index_select(0, r_img) - txt_all.index_select(0, seq_id.index_select(0, r_img))
-        ref = q >= first_all.index_select(0, seq_id.index_select(0, r_img))
-        img_rows = img_rows + ref.to(img_rows.dtype) * present.numel()
-    temb_p = temb_all.index_select(0, present)
-    block_temb = torch.cat([temb_p, zero_all.index_select(0, present)]) if c.zero_cond_t else temb_p
-    joint = torch.cat([r_txt, r_img])
-    packed = QwenPacked(ex, r_inv, joint, img_rows, slot.index_select(0, r_txt))
-    freqs = rope_rows(model, pos_r)
-    rope = (freqs.index_select(0, r_img), freqs.index_select(0, r_txt))
-    txt_s, img_s = h.index_select(0, r_txt).unsqueeze(1), h.index_select(0, r_img).unsqueeze(1)  # (T, 1, D)
+        ref = r.offset("img") >= first_all.index_select(0, r.sample_of("img"))
+        img_rows = img_rows + ref.to(img_rows.dtype) * r.present.numel()
+    temb_p = r.present_rows(temb_all)
+    block_temb = torch.cat([temb_p, r.present_rows(zero_all)]) if c.zero_cond_t else temb_p
+    packed = QwenPacked(r, img_rows, r.slot_of("txt"))
+    freqs = rope_rows(model, r.side[0])
+    rope = (r.take(freqs, "img"), r.take(freqs, "txt"))
+    txt_s, img_s = r.take(r.h, "txt").unsqueeze(1), r.take(r.h, "img").unsqueeze(1)  # (T, 1, D)
     # 3. stock double-stream blocks
     for block in model.transformer_blocks:
-        txt_s, img_s = call_block(model, block, img_s, txt_s, None, block_temb, rope, {"packed": packed}, None)
+        txt_s, img_s = seam.call_block(model, block, img_s, txt_s, None, block_temb, rope, {"packed": packed}, None)
     # 4. the stock output norm with each image token's own row, the projection, back home
-    mod = model.norm_out.linear(model.norm_out.silu(temb_p).to(dtype)).index_select(0, slot.index_select(0, r_img))
+    mod = model.norm_out.linear(model.norm_out.silu(temb_p).to(dtype)).index_select(0, r.slot_of("img"))
     scale, shift = torch.chunk(mod, 2, dim=1)
     out_img = model.proj_out(model.norm_out.norm(img_s) * (1 + scale)[:, None, :] + shift[:, None, :])[:, 0]
-    out = ex.reverse_route(merge_streams(out_img.new_zeros(r_txt.numel(), out_img.shape[1]), out_img, r_inv))
-    out = out.index_select(0, i_img)  # image and reference rows, sample order
-    n_out = [int(s.latents.shape[0]) for s in samples]
-    parts = [r[:n] for r, n in zip(torch.split(out, img_lens), n_out)] if samples else []
-    return PackedQwenImageOutput.of(parts, torch.cat(parts) if parts else out[:0])
+    rows = r.home(r.merge(out_img.new_zeros(r.count("txt"), out_img.shape[1]), out_img), 1)
+    parts = [v[: s.latents.shape[0]] for v, s in zip(pk.split(rows, 1), samples)]  # reference outputs dropped
+    return PackedQwenImageOutput.of(parts, torch.cat(parts) if parts else rows)
 
 
-_GATHERED = ("time embedding", "zero-timestep embedding", "text lengths", "first-image tokens")
+_STREAMS = {"txt": (0,), "img": (1,)}
+_GATHERED = ("time embedding", "zero-timestep embedding", "first-image tokens")
 
 
 def samples_from_batch(batch, cfg: DiffusersQwenImageConfig, *, seed: int) -> list[QwenImageSample]:
@@ -298,7 +239,7 @@ def samples_from_batch(batch, cfg: DiffusersQwenImageConfig, *, seed: int) -> li
     gets a 1-token stand-in), its text rows random text states."""
     g = torch.Generator().manual_seed(seed)
     out = []
-    for s in batch_samples(batch):
+    for s in seam.batch_samples(batch):
         n = max(int(s.visual.shape[0]), 1)
         h = next(d for d in range(math.isqrt(n), 0, -1) if n % d == 0)
         rows = s.visual[:, : cfg.in_dim] if s.visual.shape[0] else batch.x.new_zeros(1, cfg.in_dim)
@@ -308,62 +249,36 @@ def samples_from_batch(batch, cfg: DiffusersQwenImageConfig, *, seed: int) -> li
     return out
 
 
-class QwenImageFamily(ModelFamily):
+class QwenImageFamily(seam.PackedFamily):
     """Stock diffusers ``QwenImageTransformer2DModel`` for the tools (presets
     ``diffusers-qwenimage-tiny`` and ``diffusers-qwenimage-20b``, the released size)."""
 
     name = "diffusers-qwenimage"
     presets = QWENIMAGE_PRESETS
-
-    def build(self):
-        return build_qwenimage(self.config)
-
-    def workload(self, gamma: float = 1.0) -> WorkloadModel:
-        return self.config.workload(gamma)
-
-    def inputs(self, batch):
-        """Qwen-Image samples of a batch and the targets of their image rows (a text-only
-        sequence's 1-token stand-in image gets a zero target)."""
-        cfg = self.config
-        samples = samples_from_batch(batch, cfg, seed=0)
-        zero = batch.target.new_zeros(1, cfg.out_dim)
-        parts = [s.target if s.visual.shape[0] else zero for s in batch_samples(batch)]
-        target = torch.cat(parts) if parts else batch.target[:0]
-        return StepInputs(seq_lens=qwenimage_seq_lens(samples), args=samples, target=target)
-
-    def forward(self, model, inputs, executor):
-        return packed_qwenimage_forward(getattr(model, "module", model), inputs.args, executor).flat
+    build_model, packed_forward = staticmethod(build_qwenimage), staticmethod(packed_qwenimage_forward)
+    synthetic, lengths = staticmethod(samples_from_batch), staticmethod(qwenimage_seq_lens)
 
     def blocks(self, device, dtype, causal):
         """One stock block on packed tokens of the given lengths (an eighth of each sequence
         text, the rest image), through a ``LocalExecutor``."""
-        if causal:
-            raise ValueError("--causal applies to the transformer presets only (Qwen-Image attention is bidirectional)")
         cfg = self.config
-        model = build_qwenimage(dataclasses.replace(cfg, num_layers=1)).to(device)
-        if dtype != torch.float32:  # (a dtype argument, even float32, makes diffusers warn)
-            model = model.to(dtype)
+        model = self.block_model(device, dtype, causal, num_layers=1)
         prepare_qwenimage(model)
         block = model.transformer_blocks[0]
 
         def make(seq_lens, backward):
-            ex = LocalExecutor(seq_lens)
-            seq, p = local_positions(seq_lens, device)
-            r_txt, r_img, r_inv = split_streams(p < torch.tensor([n // 8 for n in seq_lens], device=device)[seq])
-            pos = torch.stack([torch.zeros_like(p), p // 64, p % 64], dim=1)
-            freqs = rope_rows(model, pos)
-            packed = QwenPacked(
-                ex, r_inv, torch.cat([r_txt, r_img]), seq.index_select(0, r_img), seq.index_select(0, r_txt)
-            )
-            rope = (freqs.index_select(0, r_img), freqs.index_select(0, r_txt))
+            r = seam.timing_tokens(seq_lens, _STREAMS, device)
+            packed = QwenPacked(r, r.sample_of("img"), r.sample_of("txt"))
+            freqs = rope_rows(model, r.side[0])
+            rope = (r.take(freqs, "img"), r.take(freqs, "txt"))
             x = lambda n: torch.randn(n, 1, cfg.dim, device=device, dtype=dtype, requires_grad=backward)  # noqa: E731
-            img, txt = x(r_img.numel()), x(r_txt.numel())
+            img, txt = x(r.count("img")), x(r.count("txt"))
             temb = torch.randn(len(seq_lens), cfg.dim, device=device, dtype=dtype)
 
             def run():
                 enc, hid = block(img, txt, None, temb, rope, {"packed": packed}, None)
                 return torch.cat([enc, hid])
 
-            return block_runner(run, backward)
+            return seam.block_runner(run, backward)
 
         return [("qwenimage", cfg.num_layers, make)]

@@ -11,10 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from knapformer.executor import TokenExecutor
-from knapformer.integrations._diffusers import require_diffusers
+from knapformer.integrations import seam
 
-__all__ = ["PackedQwenAttnProcessor", "QwenPacked", "expand_rows", "note_rows", "prepare_qwenimage", "rope_rows"]
+__all__ = ["PackedQwenAttnProcessor", "QwenPacked", "prepare_qwenimage", "rope_rows"]
 
 TABLE = 4096
 """Rows of ``QwenEmbedRope``'s positive (and of its negative) frequency table."""
@@ -22,22 +21,18 @@ TABLE = 4096
 
 @dataclass(eq=False)
 class QwenPacked:
-    """Metadata of the tokens this rank holds (joint order = all text rows, then all image rows)."""
+    """What a packed block call needs: the routed streams (joint order = all text rows, then all
+    image rows) and each token's row of the block's ``temb``."""
 
-    executor: TokenExecutor
-    to_routed: torch.Tensor  # joint rows in routed order
-    from_routed: torch.Tensor  # routed rows in joint order
+    routed: seam.Routed
     img_rows: torch.Tensor  # per image token: its row of the block's temb
     txt_rows: torch.Tensor  # per text token: its row of the block's temb
 
 
-class PackedQwenAttnProcessor:
+class PackedQwenAttnProcessor(seam.PackedProcessor):
     """Qwen-Image joint attention over packed ``[T, 1, D]`` tokens; stock when not packed."""
 
-    def __init__(self) -> None:
-        from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
-
-        self._stock = QwenDoubleStreamAttnProcessor2_0()
+    stock = "diffusers.models.transformers.transformer_qwenimage:QwenDoubleStreamAttnProcessor2_0"
 
     def __call__(
         self,
@@ -53,13 +48,10 @@ class PackedQwenAttnProcessor:
             return self._stock(
                 attn, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, attention_mask, image_rotary_emb
             )
-        from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
-
-        head_dim = attn.inner_dim // attn.heads
-        img = [attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)]
-        txt = [attn.add_q_proj(encoder_hidden_states), attn.add_k_proj(encoder_hidden_states)]
-        txt.append(attn.add_v_proj(encoder_hidden_states))
-        (q, k, v), (tq, tk, tv) = ([t.unflatten(-1, (-1, head_dim)).squeeze(1) for t in s] for s in (img, txt))
+        apply_rotary_emb_qwen = self.stock_module().apply_rotary_emb_qwen
+        e = encoder_hidden_states
+        q, k, v = (seam.heads(f(hidden_states), attn.heads) for f in (attn.to_q, attn.to_k, attn.to_v))
+        tq, tk, tv = (seam.heads(f(e), attn.heads) for f in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
         q = attn.norm_q(q) if attn.norm_q is not None else q
         k = attn.norm_k(k) if attn.norm_k is not None else k
         tq = attn.norm_added_q(tq) if attn.norm_added_q is not None else tq
@@ -69,32 +61,22 @@ class PackedQwenAttnProcessor:
             q, k = (apply_rotary_emb_qwen(t[None], img_freqs, use_real=False)[0] for t in (q, k))
         if tq.shape[0]:
             tq, tk = (apply_rotary_emb_qwen(t[None], txt_freqs, use_real=False)[0] for t in (tq, tk))
-        q, k, v = (torch.cat([a, b]).index_select(0, packed.to_routed) for a, b in ((tq, q), (tk, k), (tv, v)))
-        o = packed.executor.attention(q, k, v).index_select(0, packed.from_routed)
-        o = o.flatten(1, 2).unsqueeze(1).to(q.dtype)
-        n_txt = encoder_hidden_states.shape[0]
+        o = packed.routed.attention(*(torch.cat([a, b]) for a, b in ((tq, q), (tk, k), (tv, v))))
+        n_txt = e.shape[0]
         img_o = attn.to_out[0](o[n_txt:].contiguous())
         if len(attn.to_out) > 1:
             img_o = attn.to_out[1](img_o)
         return img_o, attn.to_add_out(o[:n_txt].contiguous())
 
 
-def note_rows(block, args, kwargs):
+def _note(block, args, kwargs):
     """Forward pre-hook of a block: a packed call's token -> temb rows, noted on its two
-    modulation modules for :func:`expand_rows` (cleared for a stock call)."""
+    modulation modules (cleared for a stock call): the block chunks ``temb`` itself, so the
+    rows cannot ride on it."""
     jak = kwargs["joint_attention_kwargs"] if "joint_attention_kwargs" in kwargs else (args[5:6] or [None])[0]
     packed = jak.get("packed") if isinstance(jak, dict) else None
-    block.img_mod._knapformer_rows = None if packed is None else packed.img_rows
-    block.txt_mod._knapformer_rows = None if packed is None else packed.txt_rows
-
-
-def expand_rows(module, inputs, output):
-    """Forward hook of ``img_mod``/``txt_mod``: (samples, 6·D) modulation -> one row per token."""
-    rows = getattr(module, "_knapformer_rows", None)
-    if rows is None:
-        return None
-    module._knapformer_rows = None
-    return output.index_select(0, rows)
+    seam.note_rows(block.img_mod, None if packed is None else packed.img_rows)
+    seam.note_rows(block.txt_mod, None if packed is None else packed.txt_rows)
 
 
 def rope_rows(model, pos: torch.Tensor) -> torch.Tensor:
@@ -108,14 +90,11 @@ def rope_rows(model, pos: torch.Tensor) -> torch.Tensor:
 def prepare_qwenimage(model) -> None:
     """Install the packed processor and the modulation hooks on this model instance only
     (checked every call: a module whose processor was replaced since gets it again)."""
-    require_diffusers()
-    proc = None
+    seam.require_diffusers()
+    seam.install([b.attn for b in model.transformer_blocks], PackedQwenAttnProcessor)
     for block in model.transformer_blocks:
-        if not isinstance(block.attn.processor, PackedQwenAttnProcessor):
-            proc = proc or PackedQwenAttnProcessor()
-            block.attn.set_processor(proc)
         if not getattr(block, "_knapformer_hooked", False):
-            block.register_forward_pre_hook(note_rows, with_kwargs=True)
-            block.img_mod.register_forward_hook(expand_rows)
-            block.txt_mod.register_forward_hook(expand_rows)
+            block.register_forward_pre_hook(_note, with_kwargs=True)
+            block.img_mod.register_forward_hook(seam.expand_rows)
+            block.txt_mod.register_forward_hook(seam.expand_rows)
             block._knapformer_hooked = True

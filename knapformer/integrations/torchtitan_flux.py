@@ -4,38 +4,24 @@
     bal.plan(titan_flux_seq_lens(samples))                 # once per step, like any model
     outs = packed_titan_flux_forward(model, samples, bal)   # list of (T_img_i, C) tensors
 
-torchtitan (``torchtitan.models.flux``) trains Flux on padded, fixed-shape batches: every image
-of a batch has one resolution and every prompt is padded to one T5 length. Here each sample
-brings its own resolution, text length, timestep, pooled (CLIP) vector and RoPE ids, and the
-model's own modules and weights do all the math. Nothing is patched globally; on this model
-instance only:
+torchtitan (``torchtitan.models.flux``) trains Flux on padded, fixed-shape batches (one
+resolution per batch, every prompt padded to one T5 length). Here each sample brings its own
+resolution, text length, timestep, pooled (CLIP) vector and RoPE ids. Through the family seam
+(:mod:`knapformer.integrations.seam`), what is torchtitan's own:
 
-- **Blocks run their stock ``forward``** (so torchtitan's FSDP2 per block and its activation
-  checkpointing wrappers keep working) on one packed batch row: image tokens
-  ``[1, T_img, D]``, text tokens ``[1, T_txt, D]`` (this rank's routed tokens of every sample),
-  RoPE of every token from the stock ``EmbedND``.
-- **Per-sample modulation at stock cost**: the ``vec`` argument is a :class:`PackedVec`
-  (per-sample conditioning plus the sample of every token). A forward pre-hook on each
-  ``Modulation`` (and on the final layer's ``adaLN_modulation``) hands it the per-sample rows,
-  so ``linear(silu(vec))`` runs once per *sample*, and a forward hook expands the result to
-  the stream's tokens by index: no (tokens, D) matmul. Given a plain tensor, the hooks do
-  nothing.
-- **Attention within each sample**: each block's ``inner_attention`` is replaced by
-  :class:`PackedTitanAttention`, which holds the stock module and calls it unless the block
-  was called with a :class:`PackedVec`; then it attends through the executor
-  (``SequenceBalancer.attention``: Ulysses inside the sample's group, rings beyond a node) or
-  within each sample on this process. The module has no parameters: the state dict and
-  torchtitan's checkpoints are unchanged.
-- The executor is planned by the caller, once per step, with :func:`titan_flux_seq_lens` (text
-  + image tokens of each sample): a ``SequenceBalancer`` routes tokens right after the
-  embedders, shares the per-sample ``vec`` with ``gather_sequences``, carries RoPE ids with the
-  tokens and routes the image outputs back before they are split per sample; without one (or
-  with a ``LocalExecutor``) attention runs within each sample on this process.
+- **Blocks run their stock ``forward``** (torchtitan's FSDP2 per block and its activation
+  checkpoint wrappers keep working) on one packed batch row: ``[1, T_img, D]`` image and
+  ``[1, T_txt, D]`` text tokens, RoPE of every token from the stock ``EmbedND``.
+- **Modulation**: ``vec`` is a :class:`PackedVec`; pre-hooks on each ``Modulation`` (and the
+  final layer's ``adaLN_modulation``) run it once per sample, forward hooks expand the
+  ``ModulationOut`` fields to the stream's tokens.
+- **Attention**: each block's ``inner_attention`` becomes a :class:`PackedTitanAttention`
+  (no parameters: the state dict and torchtitan's checkpoints are unchanged), which calls the
+  stock module unless the block was called with a :class:`PackedVec`.
 
-torchtitan's ``FluxModel`` has no guidance embedding (it trains FLUX.1-dev-sized models from
-scratch), so samples carry none. ``pip install 'knapformer[torchtitan]'`` installs the tested
-versions (torchtitan 0.3.0 with triton and transformers, which its package imports). Importing
-knapformer never imports torchtitan; this module does, when a model is prepared.
+torchtitan's ``FluxModel`` has no guidance embedding, so samples carry none.
+``pip install 'knapformer[torchtitan]'`` installs the tested versions (torchtitan 0.3.0); this
+module imports torchtitan when a model is prepared, never at import.
 
 Legend: T tokens (this rank's routed ones after routing), S samples, D hidden size.
 """
@@ -49,21 +35,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from knapformer.executor import TokenExecutor, local_positions
-from knapformer.integrations._diffusers import (
-    PackedOutput,
-    batch_samples,
-    cat_or_empty,
-    executor_or_local,
-    grid_ids,
-    raise_sample_problem,
-    stack_scalars,
-    visual_targets,
-)
+from knapformer.executor import TokenExecutor
+from knapformer.integrations import seam
 from knapformer.integrations._torchtitan import TitanFluxConfig, build_titan_flux, require_torchtitan
 from knapformer.integrations.configs import TITAN_FLUX_PRESETS
-from knapformer.integrations.family import ModelFamily, StepInputs
-from knapformer.models.layers import merge_streams, split_streams
 
 __all__ = [
     "PackedTitanAttention",
@@ -98,19 +73,17 @@ class TitanFluxSample:
         return int(self.text.shape[0] + self.latents.shape[0])
 
 
-class PackedTitanFluxOutput(PackedOutput):
+class PackedTitanFluxOutput(seam.PackedOutput):
     """Per-sample image outputs (T_img_i, C) in order, plus ``flat``: all of this rank's image
     outputs as one (T_img, C) tensor (see :class:`~knapformer.integrations._diffusers.PackedOutput`)."""
 
 
 @dataclass
 class _Attend:
-    """How this rank's packed tokens attend: joint order (all text rows, then all image rows,
-    as the stock blocks concatenate them) <-> the executor's routed order."""
+    """How this rank's packed tokens attend: the routed streams (joint order: all text rows,
+    then all image rows, as the stock blocks concatenate them)."""
 
-    executor: TokenExecutor
-    to_routed: torch.Tensor  # joint rows in routed order
-    from_routed: torch.Tensor  # routed rows in joint order
+    routed: seam.Routed
     pad: int = 0
     """Trailing stand-in rows (a rank with no routed token runs the blocks on one zero token:
     the stock RoPE cannot reshape zero tokens); they attend to nothing and output zeros."""
@@ -141,8 +114,9 @@ class PackedTitanAttention(nn.Module):
         attend, self._attend = self._attend, None
         if attend is None:
             return self.stock(q, k, v, *args, is_causal=is_causal, **kwargs)
-        q, k, v = (t[0].index_select(0, attend.to_routed) for t in (q, k, v))
-        o = attend.executor.attention(q, k, v, causal=is_causal).index_select(0, attend.from_routed)
+        r = attend.routed
+        q, k, v = (t[0].index_select(0, r.inv) for t in (q, k, v))
+        o = r.executor.attention(q, k, v, causal=is_causal).index_select(0, r.joint)
         if attend.pad:
             o = torch.cat([o, o.new_zeros(attend.pad, *o.shape[1:])])
         return o.unsqueeze(0).to(q.dtype)
@@ -269,27 +243,25 @@ def titan_flux_workload(model, *, gamma: float = 1.0):
 
 def titan_flux_seq_lens(samples: Sequence[TitanFluxSample]) -> list[int]:
     """Tokens of each sample as the packed forward lays them out (its text, then its image):
-    the lengths to plan the step with."""
-    return [int(s.text.shape[0]) + int(s.latents.shape[0]) for s in samples]
+    the lengths to plan the step with (0 for a malformed sample: the forward names it)."""
+    return seam.safe_lens(lambda s: s.text.shape[0] + s.latents.shape[0], samples)
 
 
 def _problem(d: _Dims, samples: Sequence[TitanFluxSample]) -> str:
     """Why these samples cannot run on this model ("" if they can)."""
-    for i, s in enumerate(samples):
+
+    def of(i: int, s):
         if not isinstance(s, TitanFluxSample):
-            return f"sample {i} is a {type(s).__name__}, expected a TitanFluxSample"
-        if s.latents.dim() != 2 or s.latents.shape[1] != d.in_channels:
-            return f"sample {i}: latents must be (T_img, {d.in_channels}), got {tuple(s.latents.shape)}"
-        if s.text.dim() != 2 or s.text.shape[1] != d.context:
-            return f"sample {i}: text must be (T_txt, {d.context}), got {tuple(s.text.shape)}"
-        for name, ids, n in (("img_ids", s.img_ids, s.latents.shape[0]), ("txt_ids", s.txt_ids, s.text.shape[0])):
-            if tuple(ids.shape) != (n, d.axes):
-                return f"sample {i}: {name} must be ({n}, {d.axes}), got {tuple(ids.shape)}"
-        if tuple(s.pooled.shape) != (d.vec,):
-            return f"sample {i}: pooled must be ({d.vec},), got {tuple(s.pooled.shape)}"
-        if torch.as_tensor(s.timestep).numel() != 1:
-            return f"sample {i}: timestep must be one value, got shape {tuple(torch.as_tensor(s.timestep).shape)}"
-    return ""
+            yield f"sample {i} is a {type(s).__name__}, expected a TitanFluxSample"
+            return
+        yield seam.rows_problem(i, "latents", s.latents, d.in_channels, rows="T_img")
+        yield seam.rows_problem(i, "text", s.text, d.context, rows="T_txt")
+        yield seam.shape_problem(i, "img_ids", s.img_ids, (s.latents.shape[0], d.axes))
+        yield seam.shape_problem(i, "txt_ids", s.txt_ids, (s.text.shape[0], d.axes))
+        yield seam.shape_problem(i, "pooled", s.pooled, (d.vec,))
+        yield seam.scalar_problem(i, "timestep", s.timestep)
+
+    return seam.first(p for i, s in enumerate(samples) for p in of(i, s))
 
 
 def packed_titan_flux_forward(
@@ -305,32 +277,22 @@ def packed_titan_flux_forward(
 
     prepare_titan_flux(model)
     d = _dims(model)
-    raise_sample_problem(executor, _problem(d, samples))
+    seam.raise_problem(executor, _problem(d, samples))
     weight = model.img_in.weight
     device, dtype = weight.device, weight.dtype
-    txt_lens = [int(s.text.shape[0]) for s in samples]
-    img_lens = [int(s.latents.shape[0]) for s in samples]
-    seq_lens = [t + i for t, i in zip(txt_lens, img_lens)]
+    pk = seam.Packing([(s.text.shape[0], s.latents.shape[0]) for s in samples], {"txt": (0,), "img": (1,)}, device)
     # 1. embed locally (every embedder runs, possibly on empty inputs: all params get grads)
-    img_h = model.img_in(cat_or_empty([s.latents for s in samples], (0, d.in_channels), device, dtype))
-    txt_h = model.txt_in(cat_or_empty([s.text for s in samples], (0, d.context), device, dtype))
-    ts = stack_scalars([s.timestep for s in samples], device, dtype)
-    pooled = cat_or_empty([s.pooled[None] for s in samples], (0, d.vec), device, dtype)
+    img_h = model.img_in(seam.cat_or_empty([s.latents for s in samples], (0, d.in_channels), device, dtype))
+    txt_h = model.txt_in(seam.cat_or_empty([s.text for s in samples], (0, d.context), device, dtype))
+    ts = seam.stack_scalars([s.timestep for s in samples], device, dtype)
+    pooled = seam.cat_or_empty([s.pooled[None] for s in samples], (0, d.vec), device, dtype)
     vec = model.time_in(timestep_embedding(ts, 256)) + model.vector_in(pooled)  # (S, D), as the stock forward
-    seq_l, pos_l = local_positions(seq_lens, device)
-    tl = torch.tensor(txt_lens, dtype=torch.int64, device=device)
-    is_txt_l = pos_l < tl[seq_l] if seq_l.numel() else torch.zeros(0, dtype=torch.bool, device=device)
-    _, i_img, inv = split_streams(is_txt_l)
-    h_local = merge_streams(txt_h, img_h, inv)  # (T, D): per sample, text then image
     ids_dtype = samples[0].img_ids.dtype if samples else torch.float32
-    ids = cat_or_empty([torch.cat([s.txt_ids, s.img_ids]) for s in samples], (0, d.axes), device, torch.float64)
+    ids = seam.cat_or_empty([torch.cat([s.txt_ids, s.img_ids]) for s in samples], (0, d.axes), device, torch.float64)
     # 2. route (a local executor keeps everything in place); ids travel losslessly in float64
-    ex = executor_or_local(executor, seq_lens)
-    h, ids_r = ex.route(h_local, ids, seq_lens=seq_lens)
-    vec_all, txt_all = ex.gather_sequences(vec, tl)
-    seq_id, pos = ex.routed_positions(device)
-    r_txt, r_img, r_inv = split_streams(pos < txt_all.index_select(0, seq_id))
-    joint = torch.cat([r_txt, r_img])  # joint row j is routed row joint[j]
+    r = pk.route(executor, pk.merge(txt_h, img_h), ids, per_sample=(vec,), names=("vec",))
+    (vec_all,), (ids_r,), h, seq_id, joint = r.per_sample, r.side, r.h, r.seq_id, r.joint
+    r_txt, r_img = r.rows["txt"], r.rows["img"]
     # a rank with no routed token still runs every block (each attention is collective): on one
     # zero image token with a zero vec (the stock RoPE cannot reshape zero tokens)
     pad = int(joint.numel() == 0)
@@ -341,7 +303,7 @@ def packed_titan_flux_forward(
     packed = PackedVec(
         per_sample=per_sample,
         rows={"txt": sample_txt, "img": sample_img, "all": torch.cat([sample_txt, sample_img])},
-        attend=_Attend(executor=ex, to_routed=r_inv, from_routed=joint, pad=pad),
+        attend=_Attend(r, pad=pad),
     )
     ids_j = torch.cat([ids_r.index_select(0, joint), ids_r.new_zeros(pad, d.axes)])
     pe = model.pe_embedder(ids_j.to(ids_dtype)[None])  # (1, T, 1, Dh/2, 2, 2)
@@ -356,9 +318,8 @@ def packed_titan_flux_forward(
         x = block(x, vec=packed, pe=pe)
     # 4. output head per image token ("batch = tokens": its modulation is (T, 2D)), back home
     out_img = model.final_layer(x[0, num_txt:].unsqueeze(1), packed)[: x.shape[1] - num_txt - pad, 0]  # (R_img, C)
-    out = merge_streams(out_img.new_zeros(num_txt, out_img.shape[1]), out_img, r_inv)
-    img_rows = ex.reverse_route(out).index_select(0, i_img)
-    return PackedTitanFluxOutput.of(torch.split(img_rows, img_lens) if img_lens else [], img_rows)
+    img_rows = r.home(r.merge(out_img.new_zeros(num_txt, out_img.shape[1]), out_img), 1)
+    return PackedTitanFluxOutput.of(pk.split(img_rows, 1), img_rows)
 
 
 def flow_matching_sample(
@@ -404,27 +365,17 @@ def samples_from_batch(batch, cfg: TitanFluxConfig, *, seed: int) -> list[TitanF
             text=torch.randn(s.text.shape[0], cfg.text_dim, generator=g).to(batch.x.dtype),
             pooled=s.vec[: cfg.vec_dim],
             timestep=s.timestep,
-            img_ids=grid_ids(s.visual.shape[0], dtype=torch.float32),
+            img_ids=seam.grid_ids(s.visual.shape[0], dtype=torch.float32),
             txt_ids=torch.zeros(s.text.shape[0], 3),
         )
-        for s in batch_samples(batch)
+        for s in seam.batch_samples(batch)
     ]
 
 
-class TitanFluxFamily(ModelFamily):
+class TitanFluxFamily(seam.PackedFamily):
     """torchtitan's ``FluxModel`` for the tools (preset ``torchtitan-flux-tiny``)."""
 
     name = "torchtitan-flux"
     presets = TITAN_FLUX_PRESETS
-
-    def build(self):
-        return build_titan_flux(self.config)
-
-    def inputs(self, batch):
-        """Flux samples of a batch and the targets of their image rows (the loss is on images)."""
-        samples = samples_from_batch(batch, self.config, seed=0)
-        target = visual_targets(batch, [s.latents.shape[0] for s in samples])
-        return StepInputs(seq_lens=titan_flux_seq_lens(samples), args=samples, target=target)
-
-    def forward(self, model, inputs, executor):
-        return packed_titan_flux_forward(getattr(model, "module", model), inputs.args, executor).flat
+    build_model, packed_forward = staticmethod(build_titan_flux), staticmethod(packed_titan_flux_forward)
+    synthetic, lengths = staticmethod(samples_from_batch), staticmethod(titan_flux_seq_lens)

@@ -6,7 +6,7 @@
 
 Each sample brings its own frame count, resolution, text (any length, no padding), timestep
 (one, or one per video token as Wan 2.2 TI2V uses) and, for I2V models, its image context.
-The model's own modules and weights do all the math; nothing is patched globally. How:
+Through the family seam (:mod:`knapformer.integrations.seam`), what is Wan's own:
 
 - **Patch embedding per sample** (the model's ``Conv3d`` on each ``(1, C, F, H, W)``), then the
   video tokens of all samples are one packed stream ``[1, T, D]``; a ``SequenceBalancer``
@@ -29,11 +29,7 @@ The model's own modules and weights do all the math; nothing is patched globally
   rank attends its own query tokens to its samples' text with all heads
   (``executor.cross_attention``, varlen with q lengths ≠ kv lengths, no exchange). I2V's image
   context takes the same path and its attention is added, as in the stock processor.
-- Blocks always run as their own ``forward`` (FSDP2 per block, ``gradient_checkpointing``);
-  the packed metadata travels in the ``rotary_emb`` and ``encoder_hidden_states`` arguments,
-  so activation-checkpoint recompute sees it.
-
-Without an executor (or with a ``LocalExecutor``) everything runs on this process.
+- The packed metadata travels in the ``rotary_emb`` and ``encoder_hidden_states`` arguments.
 
 Exactness: the stock model computes its norms and residual adds in fp32 (``FP32LayerNorm``,
 ``hidden_states.float()``) even in an fp64 model, so packed and stock agree to fp32 rounding
@@ -44,7 +40,6 @@ Importing knapformer never imports diffusers; this module does (diffusers >= 0.3
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,16 +47,8 @@ from dataclasses import dataclass
 import torch
 
 from knapformer.executor import LocalExecutor, TokenExecutor, local_positions
-from knapformer.integrations._diffusers import (
-    PackedOutput,
-    batch_samples,
-    call_block,
-    executor_or_local,
-    raise_sample_problem,
-    require_diffusers,
-)
+from knapformer.integrations import seam
 from knapformer.integrations.configs import WAN_PRESETS, DiffusersWanConfig, wan_cost
-from knapformer.integrations.family import ModelFamily, StepInputs, block_runner
 from knapformer.integrations.wan_attention import CrossPacked, PackedWanAttnProcessor, SelfPacked, rope_tables
 from knapformer.workload import WorkloadModel
 
@@ -94,7 +81,7 @@ class WanSample:
     (2·L_img, image_dim)."""
 
 
-class PackedWanOutput(PackedOutput):
+class PackedWanOutput(seam.PackedOutput):
     """Per-sample outputs (C_out, F, H, W) in order, plus ``flat``: this rank's outputs as
     (T, C_out·p_t·p_h·p_w) token rows (sample order, stock token order within a sample); see
     :class:`~knapformer.integrations._diffusers.PackedOutput`."""
@@ -111,34 +98,17 @@ def wan_workload(model, *, context_len: int = 512, gamma: float = 1.0) -> Worklo
 
 def build_wan(cfg: DiffusersWanConfig):
     """Random-init ``WanTransformer3DModel`` for a :class:`DiffusersWanConfig`."""
-    require_diffusers()
-    from diffusers import WanTransformer3DModel
-
-    return WanTransformer3DModel(
-        patch_size=cfg.patch_size,
-        num_attention_heads=cfg.num_heads,
-        attention_head_dim=cfg.head_dim,
-        in_channels=cfg.in_channels,
-        out_channels=cfg.out_channels,
-        text_dim=cfg.text_dim,
-        freq_dim=cfg.freq_dim,
-        ffn_dim=cfg.ffn_dim,
-        num_layers=cfg.num_layers,
-        image_dim=cfg.image_dim,
-        added_kv_proj_dim=cfg.dim if cfg.image_dim else None,
+    same = ("patch_size", "in_channels", "out_channels", "text_dim", "freq_dim", "ffn_dim", "num_layers", "image_dim")
+    return seam.build_diffusers(
+        "WanTransformer3DModel", cfg, *same, added_kv_proj_dim=cfg.dim if cfg.image_dim else None
     )
 
 
 def prepare_wan(model) -> None:
     """Install the packed processor on this model instance's attention modules (checked every
     call: one replaced since, e.g. by ``set_attn_processor``, gets it again)."""
-    require_diffusers()
-    proc = None
-    for block in model.blocks:
-        for attn in (block.attn1, block.attn2):
-            if not isinstance(attn.processor, PackedWanAttnProcessor):
-                proc = proc or PackedWanAttnProcessor()
-                attn.set_processor(proc)
+    seam.require_diffusers()
+    seam.install([a for b in model.blocks for a in (b.attn1, b.attn2)], PackedWanAttnProcessor)
 
 
 # -- shapes ------------------------------------------------------------------------------------------
@@ -158,12 +128,13 @@ def wan_seq_lens(model, samples: Sequence[WanSample]) -> list[int]:
     """Video tokens of each sample (F'·H'·W' after patching): the lengths to plan with. Never
     raises for a malformed sample (0 tokens, or its whole patches): ``packed_wan_forward``
     reports it, on every rank of a balancer's group, so no rank is left waiting in ``plan``."""
-    out = []
     p = model.config.patch_size
-    for s in samples:
-        shape = tuple(getattr(s.latents, "shape", ()))
-        out.append(math.prod(n // k for n, k in zip(shape[1:], p)) if len(shape) == 4 else 0)
-    return out
+
+    def tokens(s: WanSample) -> int:
+        shape = tuple(s.latents.shape)
+        return math.prod(n // k for n, k in zip(shape[1:], p)) if len(shape) == 4 else 0
+
+    return seam.safe_lens(tokens, samples)
 
 
 def wan_grid(tokens: int, max_side: int = 1024) -> tuple[int, int, int]:
@@ -188,7 +159,7 @@ def samples_from_batch(batch, cfg: DiffusersWanConfig, *, seed: int) -> list[Wan
     out = []
     g = torch.Generator().manual_seed(seed)
     pt, ph, pw = cfg.patch_size
-    for s in batch_samples(batch):
+    for s in seam.batch_samples(batch):
         v = s.visual.shape[0]
         f, h, w = wan_grid(max(v, 1))
         rows = s.visual[: f * h * w, : cfg.in_dim] if v else batch.x.new_zeros(1, cfg.in_dim)
@@ -234,23 +205,26 @@ def _problem(model, samples: Sequence[WanSample]) -> str:
     """Why these samples cannot run on this model ("" if they can)."""
     cfg = model.config
     i2v = cfg.added_kv_proj_dim is not None
-    for i, s in enumerate(samples):
+
+    def of(i: int, s: WanSample):
         try:
             grid = _post_patch(model, s.latents)
         except ValueError as exc:
-            return f"sample {i}: {exc}"
+            yield f"sample {i}: {exc}"
+            return
         if max(grid) >= model.rope.max_seq_len:
-            return f"sample {i}: a video side of {max(grid)} tokens exceeds the RoPE table ({model.rope.max_seq_len})"
-        if s.text.dim() != 2 or s.text.shape[1] != cfg.text_dim:
-            return f"sample {i}: text must be (L_txt, {cfg.text_dim}), got {tuple(s.text.shape)}"
+            yield f"sample {i}: a video side of {max(grid)} tokens exceeds the RoPE table ({model.rope.max_seq_len})"
+        yield seam.rows_problem(i, "text", s.text, cfg.text_dim, rows="L_txt")
         if i2v and s.image is None:
-            return f"sample {i}: this Wan model has image cross-attention (I2V) and needs WanSample.image"
+            yield f"sample {i}: this Wan model has image cross-attention (I2V) and needs WanSample.image"
         if not i2v and s.image is not None:
-            return f"sample {i}: an image context was given but this Wan model has no image cross-attention"
-        t = torch.as_tensor(s.timestep)
-        if t.numel() not in (1, math.prod(grid)):
-            return f"sample {i}: timestep must be a scalar or one per video token ({math.prod(grid)}), got {t.numel()}"
-    return ""
+            yield f"sample {i}: an image context was given but this Wan model has no image cross-attention"
+        yield seam.rows_problem(i, "image", s.image, cfg.image_dim or 0, optional=True, rows="L_img")
+        n = torch.as_tensor(s.timestep).numel()
+        if n not in (1, math.prod(grid)):
+            yield f"sample {i}: timestep must be a scalar or one per video token ({math.prod(grid)}), got {n}"
+
+    return seam.first(p for i, s in enumerate(samples) for p in of(i, s))
 
 
 def packed_wan_forward(model, samples: Sequence[WanSample], executor: TokenExecutor | None = None) -> PackedWanOutput:
@@ -259,45 +233,43 @@ def packed_wan_forward(model, samples: Sequence[WanSample], executor: TokenExecu
     ``executor`` is a ``SequenceBalancer`` already planned for this step with
     ``wan_seq_lens(model, samples)`` (every rank of the group calls this function), a
     ``LocalExecutor``, or None (everything on this process)."""
-    prepare_wan(model)
-    raise_sample_problem(executor, _problem(model, samples))
-    cfg = model.config
-    device = model.patch_embedding.weight.device
-    dtype = model.patch_embedding.weight.dtype
-    D = cfg.num_attention_heads * cfg.attention_head_dim
+    cfg, device, dtype = seam.begin(model, samples, executor, prepare_wan, _problem, model.patch_embedding.weight)
     grids = [_post_patch(model, s.latents) for s in samples]
-    lens = [math.prod(g) for g in grids]
+    pk = seam.Packing([(math.prod(g),) for g in grids], {"vid": (0,)}, device)
     # 1. per-sample patch embedding (an empty rank runs it on one empty patch: params get grads)
     if samples:
-        emb = [model.patch_embedding(s.latents[None].to(device, dtype)).flatten(2)[0].T for s in samples]
-        x_local = torch.cat(emb)
+        x_local = torch.cat([model.patch_embedding(s.latents[None].to(device, dtype)).flatten(2)[0].T for s in samples])
         pos_local = torch.cat([_grid_positions(*g, device) for g in grids])
     else:
         empty = torch.zeros((0, cfg.in_channels, *cfg.patch_size), device=device, dtype=dtype)
-        x_local = model.patch_embedding(empty).flatten(2).transpose(1, 2).reshape(0, D)
+        x_local = (
+            model.patch_embedding(empty)
+            .flatten(2)
+            .transpose(1, 2)
+            .reshape(0, cfg.num_attention_heads * cfg.attention_head_dim)
+        )
         pos_local = torch.zeros(0, 3, dtype=torch.int64, device=device)
-    ex = executor_or_local(executor, lens)
-    # 2. route tokens with their grid positions and their timesteps (a sample's one timestep, or
-    # Wan 2.2 TI2V's one per token): the same tensors on every rank, whatever its samples are
+    # 2. conditioning at home: the time embedding once per sample (per token for per-token
+    # timesteps, after routing, as the stock model does), text and image embedded
     steps = [torch.as_tensor(s.timestep).reshape(-1) for s in samples]
-    ts_local = torch.cat([t.expand(n) for t, n in zip(steps, lens)]) if samples else torch.zeros(0)
-    x, pos, ts_r = ex.route(x_local, pos_local, ts_local.to(device, torch.float64), seq_lens=lens)
-    seq_id, _ = ex.routed_positions(device)
-    # 3. conditioning: the time embedding once per sample (once per token for per-token
-    # timesteps, as the stock model does), text/image embedded at home
+    ts_local = torch.cat([t.expand(n) for t, n in zip(steps, pk.seq_lens)]) if samples else torch.zeros(0)
     text_local = torch.cat([s.text for s in samples]).to(device, dtype) if samples else torch.zeros(0, cfg.text_dim)
     text_local = model.condition_embedder.text_embedder(text_local.to(device, dtype)[None])[0]
-    first = torch.stack([t[0] for t in steps]) if samples else torch.zeros(0)
+    first_t = torch.stack([t[0] for t in steps]) if samples else torch.zeros(0)
     per_token = torch.tensor([t.numel() > 1 for t in steps], dtype=torch.bool, device=device)
-    temb_s, tproj_s = _time_embed(model, first.to(device), text_local)
-    temb_all, tproj_all, per_token_all = ex.gather_sequences(temb_s, tproj_s, per_token, names=_GATHERED)
-    temb, tproj = temb_all.index_select(0, seq_id), tproj_all.index_select(0, seq_id)
-    own = per_token_all.index_select(0, seq_id)  # routed tokens of per-token samples
+    temb_s, tproj_s = _time_embed(model, first_t.to(device), text_local)
+    # 3. route tokens with their grid positions and timesteps; per-sample conditioning to the group
+    side = (pos_local, ts_local.to(device, torch.float64))
+    r = pk.route(executor, x_local, *side, per_sample=(temb_s, tproj_s, per_token), names=_GATHERED)
+    pos, ts_r = r.side
+    temb_all, tproj_all, per_token_all = r.per_sample
+    temb, tproj = temb_all.index_select(0, r.seq_id), tproj_all.index_select(0, r.seq_id)
+    own = per_token_all.index_select(0, r.seq_id)  # routed tokens of per-token samples
     if bool(own.any()):
         rows = torch.nonzero(own).flatten()
         temb_t, tproj_t = _time_embed(model, ts_r.index_select(0, rows), text_local)
-        temb = temb.index_copy(0, rows, temb_t)
-        tproj = tproj.index_copy(0, rows, tproj_t)
+        temb, tproj = temb.index_copy(0, rows, temb_t), tproj.index_copy(0, rows, tproj_t)
+    ex = r.executor
     text = ex.route_context(text_local, [int(s.text.shape[0]) for s in samples])
     image = None
     if cfg.added_kv_proj_dim is not None:
@@ -310,17 +282,15 @@ def packed_wan_forward(model, samples: Sequence[WanSample], executor: TokenExecu
             img_local = _embed_image(model, stand_in)[:0]
         image = ex.route_context(img_local, [int(t.shape[0]) for t in imgs])
     cos, sin = rope_tables(model, pos)
-    selfp = SelfPacked(executor=ex, cos=cos, sin=sin)
-    crossp = CrossPacked(executor=ex, text=text, image=image)
+    selfp, crossp = SelfPacked(executor=ex, cos=cos, sin=sin), CrossPacked(executor=ex, text=text, image=image)
     # 4. stock blocks over the packed stream [1, R, D] with per-token modulation [1, R, 6, D]
-    h = x[None]
-    tb = tproj[None]
+    h = r.h[None]
     for block in model.blocks:
-        h = call_block(model, block, h, crossp, tb, selfp)
+        h = seam.call_block(model, block, h, crossp, tproj[None], selfp)
     # 5. output head per token (the stock per-token form), back to the caller's order
     shift, scale = (model.scale_shift_table.unsqueeze(0) + temb[None].unsqueeze(2)).chunk(2, dim=2)
     h = (model.norm_out(h.float()) * (1 + scale.squeeze(2)) + shift.squeeze(2)).type_as(h)
-    out = ex.reverse_route(model.proj_out(h)[0])
+    out = r.home(model.proj_out(h)[0], 0)
     return PackedWanOutput.of(_unpatchify(out, grids, cfg.patch_size), out)
 
 
@@ -336,44 +306,25 @@ def _unpatchify(rows: torch.Tensor, grids, patch) -> list[torch.Tensor]:
     return outs
 
 
-class WanFamily(ModelFamily):
+class WanFamily(seam.PackedFamily):
     """Stock diffusers ``WanTransformer3DModel`` for the tools (preset ``diffusers-wan-tiny``)."""
 
     name = "diffusers-wan"
     presets = WAN_PRESETS
+    build_model, packed_forward = staticmethod(build_wan), staticmethod(packed_wan_forward)
+    synthetic = staticmethod(samples_from_batch)
 
-    def build(self):
-        return build_wan(self.config)
+    def seq_lens(self, samples):
+        return self.target_rows(samples)
 
-    def workload(self, gamma: float = 1.0) -> WorkloadModel:
-        return self.config.workload(gamma)
-
-    def inputs(self, batch):
-        """Wan samples of a batch (visual rows as videos, text rows as text) and the targets of
-        their video rows (text is context, not output; a text-only sequence gets a one-token
-        stand-in video with a zero target)."""
-        cfg = self.config
-        samples = samples_from_batch(batch, cfg, seed=0)
-        lens = [math.prod(s.latents.shape[1:]) // math.prod(cfg.patch_size) for s in samples]
-        parts = [
-            s.target[:v] if s.visual.shape[0] else batch.target.new_zeros(1, cfg.out_dim)
-            for s, v in zip(batch_samples(batch), lens)
-        ]
-        target = torch.cat(parts) if parts else batch.target[:0]
-        return StepInputs(seq_lens=lens, args=samples, target=target)
-
-    def forward(self, model, inputs, executor):
-        return packed_wan_forward(getattr(model, "module", model), inputs.args, executor).flat
+    def target_rows(self, samples):
+        return [math.prod(s.latents.shape[1:]) // math.prod(self.config.patch_size) for s in samples]
 
     def blocks(self, device, dtype, causal):
         """One stock ``WanTransformerBlock`` on packed tokens of the given lengths, each sequence
         cross-attending to ``context_len`` text tokens (what the planner's term assumes)."""
-        if causal:
-            raise ValueError("--causal applies to the transformer presets only (Wan attention is bidirectional)")
         cfg = self.config
-        model = build_wan(dataclasses.replace(cfg, num_layers=1)).to(device)
-        if dtype != torch.float32:  # (a dtype argument, even float32, makes diffusers warn)
-            model = model.to(dtype)
+        model = self.block_model(device, dtype, causal, num_layers=1)
         prepare_wan(model)
         block = model.blocks[0]
 
@@ -389,6 +340,6 @@ class WanFamily(ModelFamily):
             cos, sin = rope_tables(model, grid)
             cross = CrossPacked(executor=ex, text=text, image=None)
             selfp = SelfPacked(executor=ex, cos=cos, sin=sin)
-            return block_runner(lambda: block(x, cross, temb, selfp), backward)
+            return seam.block_runner(lambda: block(x, cross, temb, selfp), backward)
 
         return [("wan", cfg.num_layers, make)]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from knapformer.executor import RoutedContext, TokenExecutor
+from knapformer.integrations.processors import PackedProcessor
 
 __all__ = ["CrossPacked", "PackedWanAttnProcessor", "SelfPacked", "rope_tables"]
 
@@ -63,13 +64,10 @@ def _kv(attn, rows: torch.Tensor, added: bool = False) -> tuple[torch.Tensor, to
     return attn.to_k(rows), attn.to_v(rows)
 
 
-class PackedWanAttnProcessor:
+class PackedWanAttnProcessor(PackedProcessor):
     """Wan attention over packed ``[1, T, D]`` tokens; stock behaviour when not packed."""
 
-    def __init__(self) -> None:
-        from diffusers.models.transformers.transformer_wan import WanAttnProcessor
-
-        self._stock = WanAttnProcessor()
+    stock = "diffusers.models.transformers.transformer_wan:WanAttnProcessor"
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
         if isinstance(rotary_emb, SelfPacked):

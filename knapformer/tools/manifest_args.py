@@ -45,6 +45,14 @@ def add_manifest_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--no-buckets", action="store_true", help="sampler: any latent shapes in one batch (default: one per batch)"
     )
+    g.add_argument(
+        "--loaders",
+        type=positive_int,
+        default=None,
+        help="sampler: deal over this many data-parallel loaders, each loader's batch on the first GPU of its "
+        "block of GPUs/N (a trainer with a fixed sequence-parallel group loads one batch per group: "
+        "N = GPUs / group size); default: every GPU loads",
+    )
 
 
 @dataclass(frozen=True)
@@ -72,15 +80,21 @@ def manifest_steps(args: argparse.Namespace, model: str, num_gpus: int, num_step
                 "or give the manifest a 'tokens' column"
             )
     lens, buckets = manifest_seq_lens(m, tok)
+    loaders = getattr(args, "loaders", None) or num_gpus
+    if num_gpus % loaders:
+        raise CliError(f"--loaders {loaders} does not divide the {num_gpus} GPUs")
     steps = dealt_steps(
         lens,
         None if args.no_buckets else buckets,
-        num_gpus,
+        loaders,
         max_tokens=args.budget,
         steps=num_steps,
         seed=args.seed,
         max_samples=args.max_samples,
     )
+    if loaders != num_gpus:  # loader i's batch on GPU i * block; the rest of its block loads nothing
+        block = num_gpus // loaders
+        steps = [[step[r // block] if r % block == 0 else [] for r in range(num_gpus)] for step in steps]
     ctx = tok.context_len(m.text_tokens) if tok is not None else 0
     return ManifestSteps(steps=steps, tokenizer=tok, context_len=ctx, num_samples=len(m))
 

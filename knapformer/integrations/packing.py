@@ -1,0 +1,178 @@
+"""The family seam's packing: a rank's samples as packed token streams, before and after routing.
+
+Every packed family lays each sample out as consecutive *segments* (Flux: its text, then its
+image; HunyuanVideo 1.5: its video, then its image, glyph and MLLM context), embeds each
+segment's rows of all samples at once, and groups the segments into named *streams* that its
+blocks treat alike (Flux's ``txt`` and ``img``). :class:`Packing` merges the embedded segments
+into the per-sample order the executor routes, then routes them with their side features
+(positions, ids, per-token timesteps) and gathers the per-sample conditioning to the group in
+one call; :class:`Routed` is what the rank holds after routing: each stream's rows, the
+*joint* order (stream after stream, as the stock attention processors concatenate them) and
+its inverse, attention within each sample in joint order, and the way home for the outputs.
+
+The orders are the ones every family used before the seam (stable, by index), so packed math
+is unchanged bit for bit.
+
+Legend: T local tokens, R routed tokens, S samples (the group's, after gathering), K segments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from knapformer.executor import LocalExecutor, TokenExecutor, local_positions
+
+__all__ = ["Packing", "Routed", "timing_tokens"]
+
+
+def _inverse(order: torch.Tensor) -> torch.Tensor:
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device)
+    return inv
+
+
+class Packing:
+    """This rank's samples as segments (``counts[i][k]``: tokens of sample i's segment k, in
+    that order within the sample) grouped into ``streams`` (name -> its segments; every segment
+    in one stream; the streams' order is the joint order)."""
+
+    def __init__(self, counts: Sequence[Sequence[int]], streams: Mapping[str, Sequence[int]], device) -> None:
+        self.streams = {name: tuple(int(k) for k in segs) for name, segs in streams.items()}
+        K = sum(len(s) for s in self.streams.values())
+        assert sorted(k for s in self.streams.values() for k in s) == list(range(K)), self.streams
+        self.num_segments = K
+        self.device = device
+        self.counts = torch.tensor([list(c) for c in counts], dtype=torch.int64).reshape(-1, K)
+        self.seq_lens = self.counts.sum(1).tolist()
+        seg = torch.arange(K).repeat(self.counts.shape[0])
+        self._seg = torch.repeat_interleave(seg, self.counts.flatten())  # (T,) each token's segment
+        order = torch.argsort(self._seg, stable=True)  # local rows, segment by segment
+        self._inv = _inverse(order).to(device)
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.counts.shape[0])
+
+    def merge(self, *parts: torch.Tensor) -> torch.Tensor:
+        """(T, ...) local tokens in sample order from ``parts[k]``: segment k's rows of every
+        sample, in sample order."""
+        assert len(parts) == self.num_segments, (len(parts), self.num_segments)
+        return torch.cat(parts).index_select(0, self._inv)
+
+    def rows(self, *segments: int) -> torch.Tensor:
+        """Local rows (sample order) of the tokens in ``segments``."""
+        keep = torch.isin(self._seg, torch.tensor(segments, dtype=torch.int64))
+        return torch.nonzero(keep).flatten().to(self.device)
+
+    def split(self, rows: torch.Tensor, *segments: int) -> list[torch.Tensor]:
+        """``rows`` (the tokens of ``segments``, sample order, as :meth:`rows` selects them)
+        split per sample."""
+        sizes = self.counts[:, list(segments)].sum(1).tolist()
+        return list(torch.split(rows, sizes)) if sizes else []
+
+    def executor(self, executor: TokenExecutor | None) -> TokenExecutor:
+        """The planned executor, or a :class:`LocalExecutor` of these samples (no balancing)."""
+        return executor if executor is not None else LocalExecutor(self.seq_lens)
+
+    def route(
+        self,
+        executor: TokenExecutor | None,
+        h: torch.Tensor,
+        *side: torch.Tensor,
+        per_sample: Sequence[torch.Tensor] = (),
+        names: Sequence[str] = (),
+    ) -> Routed:
+        """Route the local tokens ``h`` (T, ...) and their side features (T, ...) to their
+        planned ranks, and gather ``per_sample`` rows (S, ...) of every rank of the group
+        (``names``: what each is, for error messages) together with the samples' segment
+        counts."""
+        ex = self.executor(executor)
+        routed = ex.route(h, *side, seq_lens=self.seq_lens)
+        routed = routed if isinstance(routed, tuple) else (routed,)
+        counts = self.counts.to(self.device)
+        *gathered, counts_all = ex.gather_sequences(*per_sample, counts, names=(*names, "segment counts"))
+        return Routed(ex, routed[0], tuple(routed[1:]), tuple(gathered), counts_all, self.streams, self)
+
+
+class Routed:
+    """The tokens this rank holds after routing (see the module docstring). ``h``: (R, ...)
+    routed tokens; ``side``: the routed side features; ``per_sample``: the gathered rows
+    (indexable by group sample id)."""
+
+    def __init__(self, executor, h, side, per_sample, counts_all, streams, packing) -> None:
+        self.executor: TokenExecutor = executor
+        self.h, self.side, self.per_sample = h, side, per_sample
+        self.packing: Packing = packing
+        device = h.device
+        self.seq_id, self.pos = executor.routed_positions(device)
+        self.counts_all = counts_all  # (S, K) every sample's segment counts
+        self._streams = streams
+        ends = counts_all.cumsum(1)  # (S, K) the end of each segment within its sample
+        seg = (self.pos[:, None] >= ends.index_select(0, self.seq_id)).sum(1) if self.seq_id.numel() else self.pos
+        self.segment = seg  # (R,) each routed token's segment
+        self.rows: dict[str, torch.Tensor] = {}
+        for name, segs in streams.items():
+            mine = torch.isin(seg, torch.tensor(segs, dtype=seg.dtype, device=device))
+            self.rows[name] = torch.nonzero(mine).flatten()
+        self.joint = torch.cat(list(self.rows.values()))  # joint row j is routed row joint[j]
+        self.inv = _inverse(self.joint)  # routed row i is joint row inv[i]
+        self.present, self.slot = torch.unique(self.seq_id, sorted=True, return_inverse=True)
+        self._sizes = {name: int(r.numel()) for name, r in self.rows.items()}
+
+    def count(self, stream: str) -> int:
+        """Routed tokens of ``stream`` on this rank."""
+        return self._sizes[stream]
+
+    def take(self, x: torch.Tensor, stream: str) -> torch.Tensor:
+        """The rows of routed-order ``x`` that belong to ``stream``."""
+        return x.index_select(0, self.rows[stream])
+
+    def sample_of(self, stream: str) -> torch.Tensor:
+        """Group sample id of each of ``stream``'s tokens (rows of ``per_sample``)."""
+        return self.seq_id.index_select(0, self.rows[stream])
+
+    def offset(self, stream: str) -> torch.Tensor:
+        """Each of ``stream``'s tokens' position within the stream's part of its sample (0 at
+        the sample's first token of the stream's first segment)."""
+        rows = self.rows[stream]
+        k = self._streams[stream][0]
+        start = self.counts_all[:, :k].sum(1)  # (S,) where the stream starts in each sample
+        return self.pos.index_select(0, rows) - start.index_select(0, self.seq_id.index_select(0, rows))
+
+    def slot_of(self, stream: str) -> torch.Tensor:
+        """Each of ``stream``'s tokens' row among the samples present here (``present``)."""
+        return self.slot.index_select(0, self.rows[stream])
+
+    def present_rows(self, per_sample: torch.Tensor) -> torch.Tensor:
+        """The rows of gathered ``per_sample`` of the samples with tokens here (``present``)."""
+        return per_sample.index_select(0, self.present)
+
+    def merge(self, *parts: torch.Tensor) -> torch.Tensor:
+        """Routed-order tokens from one part per stream (its tokens in routed order), in the
+        streams' order."""
+        return torch.cat(parts).index_select(0, self.inv)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q, k, v (R, H, Dh) in joint order -> attention within each sample -> (R, 1, H·Dh),
+        joint order."""
+        q, k, v = (t.index_select(0, self.inv) for t in (q, k, v))
+        o = self.executor.attention(q, k, v).index_select(0, self.joint)
+        return o.flatten(1, 2).unsqueeze(1).to(q.dtype)
+
+    def home(self, out: torch.Tensor, *segments: int) -> torch.Tensor:
+        """Routed-order outputs ``out`` (R, C) back to this rank's samples, then the rows of
+        ``segments`` (sample order; :meth:`Packing.split` cuts them per sample)."""
+        local = self.executor.reverse_route(out)
+        return local.index_select(0, self.packing.rows(*segments))
+
+
+def timing_tokens(seq_lens: Sequence[int], streams: Mapping[str, Sequence[int]], device) -> Routed:
+    """The tokens the calibrator times one block on: each sequence's first ``n // 8`` tokens in
+    segment 0 (its text or context), the rest in segment 1, held by a ``LocalExecutor``;
+    ``side[0]``: each token's (0, row, column) grid position (p // 64, p % 64), int64."""
+    pk = Packing([(n // 8, n - n // 8) for n in seq_lens], streams, device)
+    _, pos = local_positions(pk.seq_lens, device)
+    grid = torch.stack([torch.zeros_like(pos), pos // 64, pos % 64], dim=1)
+    return pk.route(None, torch.zeros(len(pos), 0, device=device), grid)
