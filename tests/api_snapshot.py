@@ -32,6 +32,7 @@ MODULES = (
     "knapformer.integrations.qwenimage",
     "knapformer.integrations.hunyuanvideo15",
     "knapformer.integrations.hunyuanvideo15_official",
+    "knapformer.integrations.sd3",
     "knapformer.integrations.torchtitan_flux",
     "knapformer.integrations.family",
     "knapformer.integrations.seam",

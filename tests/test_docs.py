@@ -34,6 +34,7 @@ INTEGRATIONS = [
     "knapformer.integrations.qwenimage",
     "knapformer.integrations.hunyuanvideo15",
     "knapformer.integrations.hunyuanvideo15_official",
+    "knapformer.integrations.sd3",
     "knapformer.integrations.torchtitan_flux",
     "knapformer.integrations.seam",
 ]

@@ -107,13 +107,14 @@ TOKENIZERS: dict[str, Tokenizer] = {
     "torchtitan-flux": Tokenizer(name="torchtitan-flux", **_FLUX),
     "diffusers-wan": Tokenizer(name="diffusers-wan", spatial=8, temporal=4, patch=(1, 2, 2), text="cross", fps=16),
     "diffusers-qwenimage": Tokenizer(name="diffusers-qwenimage", **_FLUX),
+    "diffusers-sd3": Tokenizer(name="diffusers-sd3", **_FLUX),
     "diffusers-hunyuanvideo15": Tokenizer(
         name="diffusers-hunyuanvideo15", spatial=16, temporal=4, patch=(1, 1, 1), text="joint"
     ),
 }
 """One preset per integrated model family (registry names), see the module docstring. Wan's VAE
 compresses 4×8×8 with 1×2×2 patches, trains at 16 fps and cross-attends to its text.
-Qwen-Image: an 8× VAE and 2×2 patches, its text in the sequence (as Flux). HunyuanVideo 1.5:
+Qwen-Image and SD3: an 8× VAE and 2×2 patches, their text in the sequence (as Flux). HunyuanVideo 1.5:
 a causal VAE of 4× in time and 16× in space, 1×1×1 patches, its text in the sequence (the
 model's byT5 and image tokens are left out of the count)."""
 

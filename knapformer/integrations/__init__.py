@@ -12,7 +12,9 @@ Each model family is one module with its packed forward and a
 - :mod:`knapformer.integrations.qwenimage`: diffusers ``QwenImageTransformer2DModel`` (Qwen-Image,
   -Edit, -Layered);
 - :mod:`knapformer.integrations.hunyuanvideo15`: diffusers ``HunyuanVideo15Transformer3DModel``
-  (HunyuanVideo 1.5 T2V/I2V);
+  (HunyuanVideo 1.5 T2V/I2V); :mod:`knapformer.integrations.hunyuanvideo15_official`: the authors'
+  own ``HunyuanVideo_1_5_DiffusionTransformer`` (no registry line: the tools use the diffusers one);
+- :mod:`knapformer.integrations.sd3`: diffusers ``SD3Transformer2DModel`` (SD3 Medium, SD3.5 Large);
 - :mod:`knapformer.integrations.torchtitan_flux`: torchtitan's ``FluxModel``
   (``pip install 'knapformer[torchtitan]'``).
 """

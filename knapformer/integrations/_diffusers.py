@@ -4,6 +4,7 @@ families reach them through :mod:`knapformer.integrations.seam`)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,8 +20,11 @@ __all__ = [
     "build_diffusers",
     "call_block",
     "cat_or_empty",
+    "diffusers_workload",
+    "embed_latents",
     "grid_ids",
     "require_diffusers",
+    "square_image",
     "stack_scalars",
     "visual_targets",
 ]
@@ -52,6 +56,17 @@ def build_diffusers(name: str, cfg, *same: str, **args):
     diffusers = require_diffusers()
     heads = {"num_attention_heads": cfg.num_heads, "attention_head_dim": cfg.head_dim}
     return getattr(diffusers, name)(**heads, **{f: getattr(cfg, f) for f in same}, **args)
+
+
+def diffusers_workload(model, num_layers: int, gamma: float = 1.0):
+    """The planner's cost model of a diffusers DiT whose blocks cost the paper's ``24·d²`` FLOPs
+    per token in every stream (q/k/v/o and a 4× MLP): d_model the inner width (heads × head dim
+    of ``model.config``), ``num_layers`` blocks, its heads bounding the Ulysses degrees."""
+    from knapformer.workload import WorkloadModel
+
+    c = model.config
+    d = c.num_attention_heads * c.attention_head_dim
+    return WorkloadModel(d_model=d, gamma=gamma, num_layers=num_layers, num_heads=c.num_attention_heads)
 
 
 def flux_sizes(cfg: FluxSizes) -> dict:
@@ -105,6 +120,15 @@ def cat_or_empty(parts, empty_shape, device, dtype) -> torch.Tensor:
     return t if dtype is None else t.to(dtype)
 
 
+def embed_latents(embed, proj, latents: Sequence[torch.Tensor], device, dtype) -> torch.Tensor:
+    """(T, D): each latent patch-embedded on its own (``embed(x[None])[0]``, a batch of one, so a
+    module with a positional crop per size gets each sample's own), concatenated; with none,
+    ``proj`` (its convolution) runs on no input, so a rank without samples gets its gradients."""
+    if latents:
+        return torch.cat([embed(x[None].to(device, dtype))[0] for x in latents])
+    return proj(torch.zeros(0, proj.in_channels, *proj.kernel_size, device=device, dtype=dtype)).flatten(1)
+
+
 def stack_scalars(values, device, dtype) -> torch.Tensor:
     """(n,) from per-sample scalars (tensors or numbers)."""
     if not values:
@@ -131,6 +155,15 @@ def batch_samples(batch: Batch) -> list[BatchSample]:
         out.append(BatchSample(batch.x[start : start + t], batch.x[rows], batch.target[rows], ts, vec))
         start += n
     return out
+
+
+def square_image(s: BatchSample, width: int) -> tuple[torch.Tensor, int, int]:
+    """A synthetic sequence's visual rows (``width`` features each; a text-only sequence gets one
+    zero stand-in row) and the most square exact (rows, columns) grid they fill."""
+    rows = s.visual[:, :width] if s.visual.shape[0] else s.visual.new_zeros(1, width)
+    n = rows.shape[0]
+    h = next(d for d in range(math.isqrt(n), 0, -1) if n % d == 0)
+    return rows, h, n // h
 
 
 def visual_targets(batch: Batch, rows: Sequence[int]) -> torch.Tensor:

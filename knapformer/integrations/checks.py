@@ -19,6 +19,7 @@ from knapformer.executor import TokenExecutor
 __all__ = [
     "begin",
     "first",
+    "grid_problem",
     "mask_problem",
     "raise_problem",
     "rows_problem",
@@ -49,6 +50,16 @@ def rows_problem(i: int, name: str, t, width: int, *, optional: bool = False, ro
 def shape_problem(i: int, name: str, t, shape: Sequence[int]) -> str:
     """Sample ``i``'s ``name`` must be a tensor of exactly ``shape``."""
     return "" if _shape(t) == tuple(shape) else f"sample {i}: {name} must be {tuple(shape)}, got {_shape(t)}"
+
+
+def grid_problem(i: int, name: str, t, channels: int, patch: Sequence[int], axes: str, most: int | None = None) -> str:
+    """Sample ``i``'s ``name`` must be a (channels, *axes) latent in whole patches: each size a
+    positive multiple of its ``patch`` (and at most ``most``)."""
+    shape, patch = _shape(t), tuple(patch)
+    ok = shape is not None and len(shape) == len(patch) + 1 and shape[0] == channels
+    ok = ok and all(n > 0 and n % k == 0 and (most is None or n <= most) for n, k in zip(shape[1:], patch))
+    limit = "" if most is None else f", each at most {most}"
+    return "" if ok else f"sample {i}: {name} must be ({channels}, {axes}) in whole patches {patch}{limit}, got {shape}"
 
 
 def mask_problem(i: int, name: str, mask, n: int) -> str:

@@ -1,7 +1,8 @@
-"""Sizes of the Qwen-Image and HunyuanVideo 1.5 families (torch-free): what ``knapformer
-cluster``/``plan`` read through the registry's size tables; the integrations build their models
-from these configs (:mod:`knapformer.integrations.qwenimage`,
-:mod:`knapformer.integrations.hunyuanvideo15`, which export them)."""
+"""Sizes of the Qwen-Image, HunyuanVideo 1.5 and Stable Diffusion 3 families (torch-free): what
+``knapformer cluster``/``plan`` read through the registry's size tables; the integrations build
+their models from these configs (:mod:`knapformer.integrations.qwenimage`,
+:mod:`knapformer.integrations.hunyuanvideo15`, :mod:`knapformer.integrations.sd3`, which export
+them)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from knapformer.workload import WorkloadModel
 __all__ = [
     "HUNYUANVIDEO15_PRESETS",
     "QWENIMAGE_PRESETS",
+    "SD3_PRESETS",
     "DiffusersHunyuanVideo15Config",
     "DiffusersQwenImageConfig",
+    "DiffusersSD3Config",
     "hunyuan_workload",
 ]
 
@@ -145,3 +148,54 @@ QWENIMAGE_PRESETS = {"tiny": DiffusersQwenImageConfig, "20b": _qwen_image_20b}
 """Qwen-Image's sizes: the tests' tiny model and the released 20B."""
 HUNYUANVIDEO15_PRESETS = {"tiny": DiffusersHunyuanVideo15Config, "8.3b": _released}
 """HunyuanVideo 1.5's sizes: the tests' tiny model and the released 8.3B."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiffusersSD3Config(_DiTSizes):
+    """A randomly initialised diffusers ``SD3Transformer2DModel`` (no download); the defaults
+    are the ``diffusers-sd3-tiny`` preset. Its blocks cost the paper's ``24·d²`` per token."""
+
+    in_channels: int = 4
+    patch_size: int = 2
+    text_dim: int = 32
+    """``joint_attention_dim`` (the T5 + CLIP width)."""
+    pooled_dim: int = 24
+    """``pooled_projection_dim``."""
+    qk_norm: str | None = None
+    pos_embed_max_size: int = 32
+
+    @property
+    def vec_dim(self) -> int:
+        return self.pooled_dim
+
+    @property
+    def in_dim(self) -> int:
+        """Features of one latent patch (C·p·p)."""
+        return self.in_channels * self.patch_size**2
+
+    @property
+    def out_dim(self) -> int:
+        return self.in_dim
+
+    def workload(self, gamma: float = 1.0) -> WorkloadModel:
+        return WorkloadModel(d_model=self.dim, gamma=gamma, num_layers=self.num_layers, num_heads=self.num_heads)
+
+
+def _sd3(heads: int, qk_norm: str | None = None):
+    """A released SD3 size (``transformer/config.json`` of stabilityai's models): ``heads``
+    heads of 64 and as many layers, 16 latent channels, patch 2, text 4,096, pooled 2,048,
+    positional table 192²."""
+    return lambda: DiffusersSD3Config(
+        num_heads=heads,
+        head_dim=64,
+        num_layers=heads,
+        in_channels=16,
+        text_dim=4096,
+        pooled_dim=2048,
+        qk_norm=qk_norm,
+        pos_embed_max_size=192,
+    )
+
+
+SD3_PRESETS = {"tiny": DiffusersSD3Config, "3-medium": _sd3(24), "3.5-large": _sd3(38, "rms_norm")}
+"""Stable Diffusion 3's sizes: the tests' tiny model, SD3 Medium (2B) and SD3.5 Large (8B)."""

@@ -132,18 +132,9 @@ def prepare_flux(model) -> None:
 
 
 def flux_workload(model, *, gamma: float = 1.0):
-    """The planner's cost model of a ``FluxTransformer2DModel`` from its config: d_model is the
-    inner width (heads × head dim; the stock blocks cost ``24·d²`` FLOPs per token in either
-    stream), every double and single block is a layer, and the heads bound the Ulysses degrees."""
-    from knapformer.workload import WorkloadModel
-
-    c = model.config
-    return WorkloadModel(
-        d_model=c.num_attention_heads * c.attention_head_dim,
-        gamma=gamma,
-        num_layers=c.num_layers + c.num_single_layers,
-        num_heads=c.num_attention_heads,
-    )
+    """The planner's cost model of a ``FluxTransformer2DModel``: every double and single block a
+    layer of ``24·d²`` FLOPs per token (``seam.diffusers_workload``)."""
+    return seam.diffusers_workload(model, model.config.num_layers + model.config.num_single_layers, gamma)
 
 
 def flux_seq_lens(samples: Sequence[FluxSample]) -> list[int]:

@@ -190,10 +190,7 @@ def packed_hunyuanvideo15_forward(
     pk = seam.Packing([_parts(model, s) for s in samples], _STREAMS, device)
     ts = seam.stack_scalars([s.timestep for s in samples], device, dtype)
     # 1. embed at home: every module runs (on empty inputs too), so every parameter gets a gradient
-    if samples:
-        vid = torch.cat([model.x_embedder(s.latents[None].to(device, dtype))[0] for s in samples])
-    else:
-        vid = proj(torch.zeros(0, c.in_channels, *proj.kernel_size, device=device, dtype=dtype)).flatten(1)
+    vid = seam.embed_latents(model.x_embedder, proj, [s.latents for s in samples], device, dtype)
     imgs = [s.image_embeds for s in samples if _image_rows(s)]
     img = model.image_embedder(seam.cat_or_empty(imgs, (0, c.image_embed_dim), device, dtype))
     b5 = [s.text_2.index_select(0, _kept(s.text_2, s.text_2_mask)) for s in samples if s.text_2 is not None]
@@ -256,10 +253,8 @@ def samples_from_batch(batch, cfg: DiffusersHunyuanVideo15Config, *, seed: int) 
     pt, p, C = cfg.patch_size_t, cfg.patch_size, cfg.in_channels
     out = []
     for s in seam.batch_samples(batch):
-        n = max(int(s.visual.shape[0]), 1)
-        h = next(d for d in range(math.isqrt(n), 0, -1) if n % d == 0)
-        rows = s.visual[:, : cfg.in_dim] if s.visual.shape[0] else batch.x.new_zeros(1, cfg.in_dim)
-        lat = rows.reshape(1, h, n // h, C, pt, p, p).permute(3, 0, 4, 1, 5, 2, 6).reshape(C, pt, h * p, n // h * p)
+        rows, h, w = seam.square_image(s, cfg.in_dim)
+        lat = rows.reshape(1, h, w, C, pt, p, p).permute(3, 0, 4, 1, 5, 2, 6).reshape(C, pt, h * p, w * p)
         text = torch.randn(s.text.shape[0], cfg.text_dim, generator=g).to(batch.x.dtype)
         out.append(HunyuanVideo15Sample(latents=lat, text=text, timestep=s.timestep * 1000))
     return out

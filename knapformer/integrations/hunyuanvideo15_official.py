@@ -85,9 +85,7 @@ def _problem(model, samples: Sequence[OfficialSample]) -> str:
     c_in, patch = model.img_in.proj.in_channels, tuple(model.patch_size)
 
     def of(i, s):
-        shape = tuple(s.latents.shape)
-        if len(shape) != 4 or shape[0] != c_in or any(n % p or n == 0 for n, p in zip(shape[1:], patch)):
-            yield f"sample {i}: latents must be ({c_in}, F, H, W) in whole patches {patch}, got {shape}"
+        yield seam.grid_problem(i, "latents", s.latents, c_in, patch, "F, H, W")
         for name, mask in (("text", s.text_mask), ("byt5", s.byt5_mask), ("vision", None)):
             t = getattr(s, name)
             if t is not None and widths[name] is None:
@@ -188,10 +186,7 @@ def _packed(model, samples, executor):
     pk = seam.Packing([_parts(model, s) for s in samples], {"img": (0,), "txt": (1, 2, 3)}, device)
     grids = [tuple(n // p for n, p in zip(s.latents.shape[1:], model.patch_size)) for s in samples]
     ts = seam.stack_scalars([s.timestep for s in samples], device, dtype)
-    proj = model.img_in.proj
-    vid = [model.img_in(s.latents[None].to(device, dtype))[0] for s in samples]
-    empty = torch.zeros(0, proj.in_channels, *proj.kernel_size, device=device, dtype=dtype)
-    vid = torch.cat(vid) if vid else proj(empty).flatten(1)  # (every embedder runs: all parameters get grads)
+    vid = seam.embed_latents(model.img_in, model.img_in.proj, [s.latents for s in samples], device, dtype)
     vec = model.time_in(ts)
     if model.guidance_embed:  # the stock default strength (train.py passes none)
         vec = vec + model.guidance_in(torch.full_like(ts, 6016.0))

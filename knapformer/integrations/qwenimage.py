@@ -113,15 +113,9 @@ def build_qwenimage(cfg: DiffusersQwenImageConfig):
 
 def qwenimage_workload(model, *, gamma: float = 1.0) -> WorkloadModel:
     """The planner's cost model of a ``QwenImageTransformer2DModel``: each stream's block costs
-    ``24·d²`` FLOPs per token (q/k/v/o plus a 4× MLP), so the paper's form with the inner width,
-    one layer per block, and the heads bounding the Ulysses degrees."""
-    c = model.config
-    return WorkloadModel(
-        d_model=c.num_attention_heads * c.attention_head_dim,
-        gamma=gamma,
-        num_layers=c.num_layers,
-        num_heads=c.num_attention_heads,
-    )
+    ``24·d²`` FLOPs per token (q/k/v/o plus a 4× MLP), one layer per block
+    (``seam.diffusers_workload``)."""
+    return seam.diffusers_workload(model, model.config.num_layers, gamma)
 
 
 def qwenimage_seq_lens(samples: Sequence[QwenImageSample]) -> list[int]:
@@ -240,12 +234,10 @@ def samples_from_batch(batch, cfg: DiffusersQwenImageConfig, *, seed: int) -> li
     g = torch.Generator().manual_seed(seed)
     out = []
     for s in seam.batch_samples(batch):
-        n = max(int(s.visual.shape[0]), 1)
-        h = next(d for d in range(math.isqrt(n), 0, -1) if n % d == 0)
-        rows = s.visual[:, : cfg.in_dim] if s.visual.shape[0] else batch.x.new_zeros(1, cfg.in_dim)
+        rows, h, w = seam.square_image(s, cfg.in_dim)
         text = torch.randn(s.text.shape[0], cfg.text_dim, generator=g).to(batch.x.dtype)
         extra = 0 if cfg.use_additional_t_cond else None
-        out.append(QwenImageSample(rows, [(1, h, n // h)], text, s.timestep, additional_t_cond=extra))
+        out.append(QwenImageSample(rows, [(1, h, w)], text, s.timestep, additional_t_cond=extra))
     return out
 
 

@@ -31,6 +31,7 @@ FAMILIES: dict[str, str] = {
     "diffusers-wan": "knapformer.integrations.wan:WanFamily",
     "diffusers-qwenimage": "knapformer.integrations.qwenimage:QwenImageFamily",
     "diffusers-hunyuanvideo15": "knapformer.integrations.hunyuanvideo15:HunyuanVideo15Family",
+    "diffusers-sd3": "knapformer.integrations.sd3:SD3Family",
     "torchtitan-flux": "knapformer.integrations.torchtitan_flux:TitanFluxFamily",
 }
 """Family name -> ``module:class`` of its adapter (imported when the family is asked for)."""
@@ -41,6 +42,7 @@ CONFIGS: dict[str, str] = {
     "diffusers-wan": "knapformer.integrations.configs:WAN_PRESETS",
     "diffusers-qwenimage": "knapformer.integrations.configs_dit:QWENIMAGE_PRESETS",
     "diffusers-hunyuanvideo15": "knapformer.integrations.configs_dit:HUNYUANVIDEO15_PRESETS",
+    "diffusers-sd3": "knapformer.integrations.configs_dit:SD3_PRESETS",
     "torchtitan-flux": "knapformer.integrations.configs:TITAN_FLUX_PRESETS",
 }
 """Optional, per family: ``module:name`` of a torch-free table of its sizes (the adapter's
