@@ -83,6 +83,13 @@ def main() -> None:
     ap.add_argument("--kill-at", type=int, default=None, help="global step at which --kill-rank dies (first attempt)")
     ap.add_argument("--kill-rank", type=int, default=1)
     ap.add_argument("--record", default=None, help="rank 0 appends a JSON line per step here")
+    ap.add_argument(
+        "--link",
+        choices=("measure", "free"),
+        default="measure",
+        help="links the plans price: measured at start-up (a restart reuses the checkpoint's), or free; "
+        "two separate jobs plan alike only with the same links (the tests compare two with free)",
+    )
     args = ap.parse_args()
     attempt = init_restartable("gloo")  # a key space per restart (a plain init_process_group breaks)
     torch.set_num_threads(1)
@@ -91,7 +98,7 @@ def main() -> None:
     model = build_model(CFG).double()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     cost = WorkloadModel(d_model=CFG.dim, num_heads=CFG.num_heads, num_layers=CFG.num_layers)
-    bal = SequenceBalancer("auto", cost, collective_timeout_s=60)
+    bal = SequenceBalancer("auto", cost, collective_timeout_s=60, link=None if args.link == "measure" else "free")
     ds = Mixed(args.samples)
     sampler = TokenBudgetBatchSampler(ds.length, args.budget, num_samples=len(ds), buckets=ds.shape, seed=0)
     collate = PackedCollate(("tokens", "target"), example=ds[0])

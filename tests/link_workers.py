@@ -39,6 +39,10 @@ def default_link(rank: int, world: int) -> dict:
     priced = bal.plan(lens)
     free = SequenceBalancer("auto", m, link="free")
     free_plan = free.plan(lens)
+    # the settings round-trip: a balancer built from planning_config plans as its source does
+    # (free stays free, not "measure now"; a measured link is kept, not probed again)
+    again_free = SequenceBalancer(free.planning_config)
+    again_priced = SequenceBalancer(bal.planning_config)
     # bytes per value follow the tensors: a bf16 step is priced at 2 bytes from the next plan on
     before = link.bytes_per_value if link is not None else None
     x = bal.route(torch.zeros(sum(lens), 4, 16, dtype=torch.bfloat16))
@@ -50,5 +54,8 @@ def default_link(rank: int, world: int) -> dict:
         "free_link": free.planning_config.link,
         "priced_sizes": sorted(set(priced.group_sizes().tolist())),
         "free_sizes": sorted(set(free_plan.group_sizes().tolist())),
+        "again_free": (again_free.planning_config.link, sorted(set(again_free.plan(lens).group_sizes().tolist()))),
+        "again_priced": (again_priced.planning_config.link == link, again_priced.plan(lens).seq_group.tolist()),
+        "priced_groups": priced.seq_group.tolist(),
         "bytes": (before, bal.planning_config.link.bytes_per_value),
     }

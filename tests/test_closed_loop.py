@@ -20,9 +20,11 @@ Checked, on 2 and 4 ranks:
   on the next ``JUDGED`` = 32 steps (each predicted before it runs, by the model fitted up to
   then) has a median relative error within the machine's own noise (≤ 6%; the noise alone gives
   ~3.4%), and is within 3% of the noiseless seconds;
-* its final settings, frozen, balance held-out batches no worse than the offline profile + 0.02
-  (the machine's imbalance, max/mean − 1, mean over 6 batches), while the wrong γ frozen is far
-  worse (so the batches tell them apart);
+* its final settings, frozen (``planning_config``, links unpriced as in the loop: a balancer
+  built from them must not probe the links again, which made this verdict load-dependent),
+  balance held-out batches no worse than the offline profile + 0.02 (the machine's imbalance,
+  max/mean − 1, mean over 6 batches), while the wrong γ frozen is far worse (so the batches
+  tell them apart);
 * every rank holds the identical model every step; the slow rank's speed is estimated (0.5 ±
   0.15 of the others') and its imbalance at least halved.
 

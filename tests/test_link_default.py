@@ -31,7 +31,9 @@ def test_the_default_link_is_measured_identically_and_keeps_small_images_whole()
     assert link["intra_bw"] == pytest.approx(3 * (PROBE_BYTES - 4) / (big - lat), rel=1e-6)  # 3 peers on this node
     assert link["units_per_second"] == pytest.approx(W.PROBED["flops"] / slowest / 3, rel=1e-6)
     for r in res:
-        assert r["free_link"] is None
+        assert r["free_link"] == "free"
+        assert r["again_free"] == ("free", r["free_sizes"]), r  # planning_config round-trips ...
+        assert r["again_priced"] == (True, r["priced_groups"]), r  # ... free or measured
         assert r["priced_sizes"] == [1], r  # priced: no 256-token image is cut
         assert max(r["free_sizes"]) > 1, r  # free: the same step cuts them
         assert r["bytes"] == (4, 2), r  # fp32 by default, then the bf16 the step exchanged

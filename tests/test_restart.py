@@ -22,9 +22,12 @@ SAMPLES = 64
 
 
 def _torchrun(ranks: int, *args: str, restarts: int = 0) -> subprocess.CompletedProcess:
+    """``--link free``: two separate jobs (the uninterrupted one and the restarted one) plan alike
+    only with the same links; measured ones differ with the machine's load at each start-up (a
+    restart itself plans with the checkpoint's links)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", f"--master-port={free_port()}"]
-    cmd += [f"--max-restarts={restarts}", str(ROOT / "examples" / "restart_train.py"), *args]
+    cmd += [f"--max-restarts={restarts}", str(ROOT / "examples" / "restart_train.py"), "--link", "free", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env, cwd=ROOT)
 
 

@@ -164,8 +164,12 @@ class SequenceBalancer(AttentionCalls):
     @property
     def planning_config(self) -> BalancerConfig:
         """The settings the next plan uses: :attr:`config` with, under ``recalibrate``, the
-        online fit's cost model (and estimated rank speeds)."""
-        return self._loop.planning
+        online fit's cost model (and estimated rank speeds), and the links resolved (measured
+        ones as a ``LinkModel``). They round-trip: a balancer built from them plans as this one
+        does next — so unpriced links read ``"free"``, never None (which a config takes as
+        "measure them now", a probe on whatever the machine is doing then)."""
+        cfg = self._loop.planning
+        return cfg if cfg.link is not None else dataclasses.replace(cfg, link="free")
 
     def online_model(self) -> WorkloadModel:
         """The cost model the next plan uses (the online fit's, with ``recalibrate``); save it
