@@ -26,6 +26,7 @@ __all__ = [
     "require_diffusers",
     "square_image",
     "stack_scalars",
+    "unpatchify",
     "visual_targets",
 ]
 
@@ -164,6 +165,22 @@ def square_image(s: BatchSample, width: int) -> tuple[torch.Tensor, int, int]:
     n = rows.shape[0]
     h = next(d for d in range(math.isqrt(n), 0, -1) if n % d == 0)
     return rows, h, n // h
+
+
+def unpatchify(rows: torch.Tensor, grids, patch, *, channels_first: bool = False) -> list[torch.Tensor]:
+    """Each sample's token rows back to its latent ``(C, g0·p0, g1·p1, ...)``, as the stock
+    models unpatchify: ``rows`` holds the samples' tokens one after another (sample i on grid
+    ``grids[i]``, row-major), each row a patch's values in ``(p0, p1, ..., C)`` order, or
+    ``(C, p0, p1, ...)`` with ``channels_first`` (HunyuanVideo's). Why in the seam: every family
+    with patched latents ends its forward with this inverse (and makes synthetic latents with it)."""
+    n, outs = len(patch), []
+    channel, first = (n, n + 1) if channels_first else (2 * n, n)
+    order = [channel] + [a for i in range(n) for a in (i, first + i)]
+    for r, grid in zip(torch.split(rows, [math.prod(g) for g in grids]) if grids else (), grids):
+        o = r.reshape(*grid, -1, *patch) if channels_first else r.reshape(*grid, *patch, -1)
+        o = o.permute(order)
+        outs.append(o.reshape(o.shape[0], *(g * p for g, p in zip(grid, patch))))
+    return outs
 
 
 def visual_targets(batch: Batch, rows: Sequence[int]) -> torch.Tensor:

@@ -222,7 +222,9 @@ def packed_hunyuanvideo15_forward(
     scale, shift = torch.chunk(mod, 2, dim=1)
     out_vid = model.proj_out(model.norm_out.norm(vid_s) * (1 + scale)[:, None, :] + shift[:, None, :])[:, 0]
     rows = r.home(r.merge(out_vid, out_vid.new_zeros(r.count("ctx"), out_vid.shape[1])), 0)
-    return PackedHunyuanVideo15Output.of(_unpatchify(model, rows, grids), rows)
+    return PackedHunyuanVideo15Output.of(
+        seam.unpatchify(rows, grids, (c.patch_size_t, c.patch_size, c.patch_size), channels_first=True), rows
+    )
 
 
 _STREAMS = {"vid": (0,), "ctx": (1, 2, 3)}
@@ -235,26 +237,16 @@ def _positions(f: int, h: int, w: int, device) -> torch.Tensor:
     return torch.stack(grid, dim=-1).reshape(-1, 3)
 
 
-def _unpatchify(model, rows: torch.Tensor, grids) -> list[torch.Tensor]:
-    c = model.config
-    pt, p = c.patch_size_t, c.patch_size
-    outs = []
-    for r, (f, h, w) in zip(torch.split(rows, [math.prod(g) for g in grids]) if grids else (), grids):
-        o = r.reshape(f, h, w, -1, pt, p, p).permute(3, 0, 4, 1, 5, 2, 6)
-        outs.append(o.reshape(o.shape[0], f * pt, h * p, w * p))
-    return outs
-
-
 def samples_from_batch(batch, cfg: DiffusersHunyuanVideo15Config, *, seed: int) -> list[HunyuanVideo15Sample]:
     """HunyuanVideo 1.5 samples from a synthetic :class:`~knapformer.data.batches.Batch`: each
     sequence's visual rows become one frame on the most square exact grid (a text-only
     sequence gets a 1-token stand-in), its text rows random MLLM states (T2V, no glyph text)."""
     g = torch.Generator().manual_seed(seed)
-    pt, p, C = cfg.patch_size_t, cfg.patch_size, cfg.in_channels
+    pt, p = cfg.patch_size_t, cfg.patch_size
     out = []
     for s in seam.batch_samples(batch):
         rows, h, w = seam.square_image(s, cfg.in_dim)
-        lat = rows.reshape(1, h, w, C, pt, p, p).permute(3, 0, 4, 1, 5, 2, 6).reshape(C, pt, h * p, w * p)
+        lat = seam.unpatchify(rows, [(1, h, w)], (pt, p, p), channels_first=True)[0]
         text = torch.randn(s.text.shape[0], cfg.text_dim, generator=g).to(batch.x.dtype)
         out.append(HunyuanVideo15Sample(latents=lat, text=text, timestep=s.timestep * 1000))
     return out

@@ -138,13 +138,8 @@ def packed_sd3_forward(model, samples: Sequence[SD3Sample], executor: TokenExecu
     out = model.proj_out(model.norm_out(img_s, st))[:, 0]
     rows = r.home(r.merge(out, out.new_zeros(r.count("txt"), out.shape[1])), 0)
     p = c.patch_size
-    outs = [_image(o, s.latents.shape[1] // p, s.latents.shape[2] // p, p) for o, s in zip(pk.split(rows, 0), samples)]
-    return seam.PackedOutput.of(outs, rows)
-
-
-def _image(rows: torch.Tensor, h: int, w: int, p: int) -> torch.Tensor:
-    """(h·w, p·p·C) patch rows (the stock ``proj_out`` order) -> (C, h·p, w·p), as the stock unpatchify."""
-    return rows.reshape(h, w, p, p, -1).permute(4, 0, 2, 1, 3).reshape(-1, h * p, w * p)
+    grids = [(s.latents.shape[1] // p, s.latents.shape[2] // p) for s in samples]
+    return seam.PackedOutput.of(seam.unpatchify(rows, grids, (p, p)), rows)
 
 
 def samples_from_batch(batch, cfg: DiffusersSD3Config, *, seed: int) -> list[SD3Sample]:
@@ -154,7 +149,7 @@ def samples_from_batch(batch, cfg: DiffusersSD3Config, *, seed: int) -> list[SD3
     out = []
     for s in seam.batch_samples(batch):
         rows, h, w = seam.square_image(s, cfg.in_dim)
-        lat = _image(rows, h, w, cfg.patch_size)
+        lat = seam.unpatchify(rows, [(h, w)], (cfg.patch_size,) * 2)[0]
         text = torch.randn(s.text.shape[0], cfg.text_dim, generator=g).to(batch.x.dtype)
         out.append(SD3Sample(latents=lat, text=text, pooled=s.vec[: cfg.vec_dim], timestep=s.timestep * 1000))
     return out

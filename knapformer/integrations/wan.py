@@ -158,13 +158,11 @@ def samples_from_batch(batch, cfg: DiffusersWanConfig, *, seed: int) -> list[Wan
     the most of them a grid fits), its text rows random text states."""
     out = []
     g = torch.Generator().manual_seed(seed)
-    pt, ph, pw = cfg.patch_size
     for s in seam.batch_samples(batch):
         v = s.visual.shape[0]
         f, h, w = wan_grid(max(v, 1))
         rows = s.visual[: f * h * w, : cfg.in_dim] if v else batch.x.new_zeros(1, cfg.in_dim)
-        lat = rows.reshape(f, h, w, pt, ph, pw, cfg.in_channels).permute(6, 0, 3, 1, 4, 2, 5)
-        lat = lat.reshape(cfg.in_channels, f * pt, h * ph, w * pw)
+        lat = seam.unpatchify(rows, [(f, h, w)], cfg.patch_size)[0]
         text = torch.randn(s.text.shape[0], cfg.text_dim, generator=g).to(batch.x.dtype)
         image = torch.randn(257, cfg.image_dim, generator=g).to(batch.x.dtype) if cfg.image_dim else None
         out.append(WanSample(latents=lat, text=text, timestep=s.timestep * 1000, image=image))
@@ -291,19 +289,10 @@ def packed_wan_forward(model, samples: Sequence[WanSample], executor: TokenExecu
     shift, scale = (model.scale_shift_table.unsqueeze(0) + temb[None].unsqueeze(2)).chunk(2, dim=2)
     h = (model.norm_out(h.float()) * (1 + scale.squeeze(2)) + shift.squeeze(2)).type_as(h)
     out = r.home(model.proj_out(h)[0], 0)
-    return PackedWanOutput.of(_unpatchify(out, grids, cfg.patch_size), out)
+    return PackedWanOutput.of(seam.unpatchify(out, grids, cfg.patch_size), out)
 
 
 _GATHERED = ("time embedding", "time projection", "per-token timesteps")
-
-
-def _unpatchify(rows: torch.Tensor, grids, patch) -> list[torch.Tensor]:
-    pt, ph, pw = patch
-    outs = []
-    for r, (f, h, w) in zip(torch.split(rows, [math.prod(g) for g in grids]) if grids else (), grids):
-        o = r.reshape(f, h, w, pt, ph, pw, -1).permute(6, 0, 3, 1, 4, 2, 5)
-        outs.append(o.reshape(o.shape[0], f * pt, h * ph, w * pw))
-    return outs
 
 
 class WanFamily(seam.PackedFamily):
