@@ -98,7 +98,7 @@ def main() -> None:
     model = build_model(CFG).double()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     cost = WorkloadModel(d_model=CFG.dim, num_heads=CFG.num_heads, num_layers=CFG.num_layers)
-    bal = SequenceBalancer("auto", cost, collective_timeout_s=60, link=None if args.link == "measure" else "free")
+    bal = SequenceBalancer("auto", cost, collective_timeout_s=60, link=args.link)
     ds = Mixed(args.samples)
     sampler = TokenBudgetBatchSampler(ds.length, args.budget, num_samples=len(ds), buckets=ds.shape, seed=0)
     collate = PackedCollate(("tokens", "target"), example=ds[0])
