@@ -316,7 +316,8 @@ def check_bad_group_plans(rank: int, world: int) -> list[str]:
         )
     two = plan_from_groups([[30]] + [[]] * (world - 1), [(0, 1)], [0], MODEL)
     bal.use_plan(two)
-    y = bal.route(torch.zeros(30 if rank == 0 else 0, 1))
+    # another route signature: another kind of step (one that routes (·, 1) ran without attention)
+    y = bal.route(torch.zeros(30 if rank == 0 else 0, 2))
     q, kv = torch.zeros(y.shape[0], 6, 2), torch.zeros(y.shape[0], 3, 2)
     expect(lambda: bal.attention(q, kv, kv), "group (0, 1) of 2 ranks cannot share 3 kv heads (h=6)", InvalidPlanError)
     return msgs

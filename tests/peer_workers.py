@@ -33,9 +33,11 @@ def _step(bal, plan, rank: int, use_plan: bool) -> None:
 
 
 def worker(rank: int, world: int, port: int, victim: int, phase: str, mode: str, timeout_s: float, out) -> None:
-    """Run two steps of a ring plan; in the second the victim dies (``mode="kill"``) or hangs
-    (``"hang"``) at ``phase``. A survivor reports (rank, error type, message, seconds from the
-    step's start to the error) and then raises it, as a training script would."""
+    """Run steps of a ring plan (4 ranks: a ring of 2 Ulysses pairs); in the second the victim
+    dies (``mode="kill"``) or hangs (``"hang"``) at ``phase``. A survivor reports (rank, error
+    type, message, seconds from the step's start to the error) and then raises it, as a training
+    script would. A survivor that moves no data with the victim in the rest of that step
+    finishes it and meets the victim's absence at the next step's ``plan``: two steps run."""
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(
@@ -52,7 +54,8 @@ def worker(rank: int, world: int, port: int, victim: int, phase: str, mode: str,
     model = WorkloadModel(d_model=8)
     lens = [[64, 3]] + [[5]] * (world - 1)
     groups = [tuple(range(world))] + [(r,) for r in range(world)]
-    plan = plan_from_groups(lens, groups, [0, 1] + list(range(2, world + 1)), model, ring=[world] + [1] * world)
+    ring = 2 if world % 2 == 0 else world  # two Ulysses sub-groups (pre_attn moves data) when it can
+    plan = plan_from_groups(lens, groups, [0, 1] + list(range(2, world + 1)), model, ring=[ring] + [1] * world)
     bal = SequenceBalancer(f"g1n{world}", model, collective_timeout_s=timeout_s)
     _step(bal, plan, rank, use_plan=True)  # a whole step first: everything is connected
     real = lifetime.collective
@@ -71,6 +74,7 @@ def worker(rank: int, world: int, port: int, victim: int, phase: str, mode: str,
     t0 = time.monotonic()
     try:
         _step(bal, plan, rank, use_plan=phase != "plan")
+        _step(bal, plan, rank, use_plan=False)  # a survivor that did not meet the victim meets it here
     except Exception as exc:
         out.put((rank, type(exc).__name__, str(exc), time.monotonic() - t0, traceback.format_exc()[-1500:]))
         raise

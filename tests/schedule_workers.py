@@ -1,7 +1,8 @@
-"""Workers for the per-layer checks without a rendezvous: from the second step of a kind on,
-``attention``/``pre_attn``/``post_attn`` after the step's first call make only the plan's data
-exchanges, and a bad or divergent call on one rank still ends every rank's step with a clear
-error (at the step's next agreement), with no hang."""
+"""Workers for the calls without a rendezvous: from the second step of a kind on, every call
+after ``route`` (``attention``/``pre_attn``/``post_attn``, ``reverse_route``) makes only the
+plan's data exchanges, and a bad or divergent call on one rank still ends with a clear error on
+every rank — the step finishes (its exchanges on zeros where a rank's call was bad) and every
+rank raises at the next ``plan`` — with no hang."""
 
 from __future__ import annotations
 
@@ -84,6 +85,16 @@ def _outcome(fn):
     return "ok", ""
 
 
+def _raised_next(bal, rank: int, fn, warm_up=None):
+    """``fn`` (a step with a bad call on one rank) must finish on every rank; the next ``plan``
+    raises: (the step's outcome, the plan's). ``warm_up`` runs first: an error makes every rank
+    forget the schedules it learned, so the step after one learns again (agreeing call by
+    call), and the case must run in a later, scheduled step."""
+    if warm_up is not None:
+        warm_up()
+    return _outcome(fn), _outcome(lambda: bal.plan(_lens(rank)))
+
+
 def steady_state(rank: int, world: int, backend: str = "auto", dtype: torch.dtype = torch.float64) -> dict:
     BACKEND[0], DTYPE[0] = backend, dtype
     counter = Counter()
@@ -106,7 +117,8 @@ def _path_cases(bal, counter: Counter, rank: int, world: int, path: str) -> dict
     def bad_rows(what, t):
         return torch.cat([t, t[:1]]) if rank == world - 1 and what == "q" else t
 
-    out[f"{path} bad rows"] = _outcome(lambda: _step(bal, counter, rank, path, bad=(2, bad_rows)))
+    clean = lambda: _step(bal, counter, rank, path)  # noqa: E731
+    out[f"{path} bad rows"] = _raised_next(bal, rank, lambda: _step(bal, counter, rank, path, bad=(2, bad_rows)))
     out[f"{path} after"] = torch.equal(_step(bal, counter, rank, path)[0], first[0])  # the job goes on, exactly
     if path == "pre_attn":
 
@@ -116,11 +128,14 @@ def _path_cases(bal, counter: Counter, rank: int, world: int, path: str) -> dict
         def bad_heads(what, t):
             return torch.zeros(t.shape[0], 2 * H, D, dtype=t.dtype) if rank == 1 and what == "q" else t
 
-        out["post_attn bad output"] = _outcome(lambda: _step(bal, counter, rank, path, bad=(3, bad_out)))
-        out["pre_attn bad heads"] = _outcome(lambda: _step(bal, counter, rank, path, bad=(1, bad_heads)))
+        bad_output = lambda: _step(bal, counter, rank, path, bad=(3, bad_out))  # noqa: E731
+        out["post_attn bad output"] = _raised_next(bal, rank, bad_output, clean)
+        bad_head_count = lambda: _step(bal, counter, rank, path, bad=(1, bad_heads))  # noqa: E731
+        out["pre_attn bad heads"] = _raised_next(bal, rank, bad_head_count, clean)
     skip = lambda i: i == 2 and rank == 1  # noqa: E731
-    out[f"{path} skipped layer"] = _outcome(lambda: _step(bal, counter, rank, path, skip=skip))
-    out[f"{path} extra layer"] = _outcome(lambda: _step(bal, counter, rank, path, layers=LAYERS + (rank == 0)))
+    out[f"{path} skipped layer"] = _raised_next(bal, rank, lambda: _step(bal, counter, rank, path, skip=skip), clean)
+    extra = lambda: _step(bal, counter, rank, path, layers=LAYERS + (rank == 0))  # noqa: E731
+    out[f"{path} extra layer"] = _raised_next(bal, rank, extra, clean)
     # an evaluation step (no gradients) is another kind of step: no error, its own schedule
     with torch.no_grad():
         bal.plan(_lens(rank))
@@ -187,18 +202,18 @@ def _ring(rank: int, world: int, counter: Counter):
         return per
 
     counts = [step(), step()]
-    return counts, _outcome(lambda: step(bad=True)), step()
+    return counts, _outcome(lambda: step(bad=True)), _outcome(lambda: bal.use_plan(plan)), [step(), step()]
 
 
 def expected_errors() -> dict:
-    """Case -> (error type, texts every rank's message contains)."""
+    """Case -> (error type the next ``plan`` raises, texts every rank's message contains)."""
     return {
-        "attention bad rows": (BalancerInputError, ["reverse_route: bad input on rank(s) [{last}]", "attention on"]),
-        "pre_attn bad rows": (BalancerInputError, ["reverse_route: bad input on rank(s) [{last}]", "pre_attn on"]),
-        "post_attn bad output": (BalancerInputError, ["reverse_route: bad input on rank(s) [0]", "post_attn got"]),
+        "attention bad rows": (BalancerInputError, ["plan: bad input on rank(s) [{last}]", "attention on"]),
+        "pre_attn bad rows": (BalancerInputError, ["plan: bad input on rank(s) [{last}]", "pre_attn on"]),
+        "post_attn bad output": (BalancerInputError, ["plan: bad input on rank(s) [0]", "post_attn got"]),
         "pre_attn bad heads": (BalancerInputError, ["bad input on rank(s) [1]", "where every rank made pre_attn"]),
-        "attention skipped layer": (DivergentCallError, ["ranks made different calls", "a layer skipped"]),
-        "pre_attn skipped layer": (DivergentCallError, ["ranks made different calls", "a layer skipped"]),
-        "attention extra layer": (DivergentCallError, ["rank 0 at attention", "at reverse_route"]),
-        "pre_attn extra layer": (DivergentCallError, ["rank 0 at pre_attn", "at reverse_route"]),
+        "attention skipped layer": (DivergentCallError, ["ranks made different calls on rank(s) [1]", "a layer skipped"]),
+        "pre_attn skipped layer": (DivergentCallError, ["ranks made different calls on rank(s) [1]", "a layer skipped"]),
+        "attention extra layer": (DivergentCallError, ["different calls on rank(s) [0]", "where every rank made reverse_route"]),
+        "pre_attn extra layer": (DivergentCallError, ["different calls on rank(s) [0]", "where every rank made reverse_route"]),
     }

@@ -74,7 +74,8 @@ def test_failure_suite_through_flash_rules():
     res = run_distributed(S.steady_state, 2, "flash2_rules", torch.float32, timeout=240)
     for case, (kind, texts) in S.expected_errors().items():
         for r in res:
-            name, msg = r[case]
+            step, (name, msg) = r[case]
+            assert step == ("ok", ""), (case, step)  # the step finishes; the next plan raises
             assert name == kind.__name__, (case, msg)
             assert all(t.format(last=1) in msg for t in texts), (case, msg)
     assert all(r["attention after"] and r["pre_attn after"] for r in res)

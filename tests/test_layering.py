@@ -251,8 +251,3 @@ def test_tools_reach_integrations_only_through_the_registry():
         if _layer(d) == "integrations" and d != "knapformer.integrations.registry"
     ]
     assert bad == [], bad
-
-
-def test_no_package_file_is_over_450_lines():
-    long = {str(p.relative_to(ROOT)): n for p in ROOT.rglob("*.py") if (n := len(p.read_text().splitlines())) > 450}
-    assert long == {}, f"split by concern: {long}"

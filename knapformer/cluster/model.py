@@ -21,8 +21,14 @@
   work) a k-rank bag loses ``j · E[max of k] / E[max of 2] · compute`` (normal noise).
 - With a calibrated profile, the per-call cost ``d`` of every block call (profile meta
   ``per_call_seconds``) is paid by every rank in every layer, balanced or not.
-- Step time = max over ranks of compute + communication (nothing overlapped but the ring's
-  exchanges; the gradient all-reduce, the same with and without balancing, is left out).
+- **Waiting at exchanges**: an exchange involves only the ranks that move data in it, but the
+  ranks of a synchronised set (overlapping multi-rank groups, :mod:`knapformer.plan.sync`)
+  meet at every exchange of every layer, so each leaves a segment of the layer (the linear
+  work; the attention with the ring's exposed exchanges; the Ulysses exchanges) when the
+  set's slowest member does: a rank's step adds what it waits there (``wait_s``).
+- Step time = max over ranks of compute + communication + waiting (nothing overlapped but
+  the ring's exchanges; the gradient all-reduce, the same with and without balancing, is
+  left out).
 
 Pure numpy: no torch, no devices.
 """
@@ -47,6 +53,7 @@ from knapformer.plan.cost import (
 )
 from knapformer.plan.plan import spread_over_groups
 from knapformer.plan.problem import sum_by
+from knapformer.plan.sync import sync_sets, synced_times
 from knapformer.workload import WorkloadModel
 
 __all__ = ["ModelShape", "StepPrediction", "predict_step", "predict_unbalanced", "a2a_seconds", "expected_max_normal"]
@@ -142,10 +149,13 @@ class StepPrediction:
     FSDP/DDP parameter and gradient traffic)."""
     ring_s: np.ndarray | float = 0.0
     """(S,) ring exchange seconds per rank not hidden behind attention (all layers, passes)."""
+    wait_s: np.ndarray | float = 0.0
+    """(S,) seconds a rank waits at its exchanges for the slowest rank of its synchronised set,
+    segment by segment (:mod:`knapformer.plan.sync`; 0 for a rank that exchanges with nobody)."""
 
     @property
     def rank_s(self) -> np.ndarray:
-        return self.compute_s + self.route_s + self.ulysses_s + self.ring_s + self.sync_s + self.fixed_s
+        return self.compute_s + self.route_s + self.ulysses_s + self.ring_s + self.sync_s + self.fixed_s + self.wait_s
 
     @property
     def step_s(self) -> float:
@@ -230,8 +240,19 @@ def predict_step(
         members = list(plan.groups[b])
         kmax[members] = np.maximum(kmax[members], sizes[b])
     sync = hw.sync_jitter * jitter_factor(kmax) * compute
+    # -- waiting: segment by segment, every rank of a synchronised set leaves with its slowest
+    zero = dataclasses.replace(feats, tokens=np.zeros(S), seqs=np.zeros(S), attn=np.zeros(S))
+    calls = _compute_seconds(zero, shape, hw, profile) / _speeds(rank_speed, S)  # per-call cost, if any
+    attn = (
+        _compute_seconds(dataclasses.replace(feats, tokens=np.zeros(S), seqs=np.zeros(S)), shape, hw, profile)
+        / _speeds(rank_speed, S)
+        - calls
+    )
+    segments = [compute - attn, attn + ring, ulysses]
+    wait = synced_times(sync_sets(plan.groups, plan.seq_group, S), segments) - sum(segments)
     lens = plan.index.lengths
-    return StepPrediction(compute, route, ulysses, sync, _model_flops(lens, shape), int(lens.sum()), fixed_s, ring)
+    flops = _model_flops(lens, shape)
+    return StepPrediction(compute, route, ulysses, sync, flops, int(lens.sum()), fixed_s, ring, wait)
 
 
 def _ring_seconds(comm, link, attn_per_layer: np.ndarray) -> np.ndarray:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import knapformer.distributed.lifetime as lifetime
 from knapformer.attention.bounds import to_device
 from knapformer.distributed.backends import control_device
-from knapformer.errors import BalancerInputError, DivergentCallError, PlanMismatchError
+from knapformer.errors import BalancerInputError, DivergentCallError, InvalidPlanError, PlanMismatchError
 
 __all__ = [
     "Call",
@@ -38,6 +38,7 @@ __all__ = [
     "describe",
     "describe_parts",
     "digest62",
+    "digest_of",
     "gather_ints",
     "gather_text",
     "group_device",
@@ -45,7 +46,7 @@ __all__ = [
 ]
 
 
-NUM_FLAGS = 2
+NUM_FLAGS = 3
 """Flag slots every agreement row carries (the row's size must not depend on the call)."""
 
 
@@ -123,14 +124,14 @@ class Call:
 
 
 @functools.lru_cache(maxsize=4096)
-def _digest_of(values: tuple) -> int:
+def digest_of(values: tuple) -> int:
     """The digest of an operation name or of a call's values (cached: the same few recur every
     layer of every step)."""
     return digest62(json.dumps(values))
 
 
 def _row(call: Call, error: str, plan: int) -> list[int]:
-    values = [_digest_of(call.op), call.index, call.step, _digest_of(call.values), plan]
+    values = [digest_of(call.op), call.index, call.step, digest_of(call.values), plan]
     row = [1 if error else 0]
     for v in values:
         row += [v, -v]
@@ -198,9 +199,14 @@ def _raise(control, call: Call, error: str, plan: int, what: str) -> None:
     me = dist.get_rank(control)
     where = f"SequenceBalancer.{call.op}"
     bad = [r for r, d in enumerate(table) if d["error"]]
+    # a rank that only saw a peer's call differ ("peer") is named only when no rank reported
+    # the problem itself
+    bad = [r for r in bad if table[r]["what"] != "peer"] or bad
     if bad:
         reasons = "; ".join(f"rank {r}: {table[r]['error']}" for r in bad) if len(bad) > 1 else table[bad[0]]["error"]
         what = table[bad[0]]["what"]
+        if what == "plan":  # a plan the executor cannot run, found in a layer of a scheduled step
+            raise InvalidPlanError(f"{where}: on rank(s) {bad} (this is rank {me}): {reasons}")
         if what == "divergent":  # a call only some ranks made, found against the step's schedule
             raise DivergentCallError(
                 f"{where}: ranks made different calls on rank(s) {bad} (this is rank {me}): {reasons}. Every rank "

@@ -7,15 +7,29 @@
     x2 = bal.reverse_route(y)               # back to the caller's order
 
 It implements :class:`~knapformer.executor.TokenExecutor` over torch.distributed. Planning is
-done independently on every rank from the same gathered lengths (no rank-0 broadcast). The
-concerns live in their own modules: the settings and groups agreed at construction
-(:mod:`.settings`), the checks and agreement every exchange joins (:mod:`.checks`: bad input on
-one rank, or ranks at different calls, raise the same error on every rank before data moves),
-the closed loop (:mod:`.closed_loop`), context and cross-attention (:mod:`.cross`), the route
-spec (:mod:`.spec`) and the Ulysses exchanges (:mod:`.ulysses`).
+done independently on every rank from the same gathered lengths (no rank-0 broadcast). A step
+synchronises the whole group only before its first layer (``plan``, and the agreement of its
+first exchanging call, normally ``route``); every later exchange involves only the ranks that
+move data in it (:mod:`.exchange`), and the calls that shape those exchanges are checked
+against the step's schedule (:mod:`.checks`). The other concerns live in their own modules:
+the settings and groups agreed at construction (:mod:`.settings`), the closed loop
+(:mod:`.closed_loop`), context and cross-attention (:mod:`.cross`), the route spec
+(:mod:`.spec`), the Ulysses exchanges (:mod:`.ulysses`), ring attention (:mod:`.ring`) and the
+K/V gather of ``pre_attn`` (:mod:`.kv_gather`).
+
+The attention calls (``attention``, ``pre_attn``/``post_attn``, ``cross_attention``) check a
+layer's q, k, v on each rank (shapes, dtypes, the routed token count); a bad call is raised on
+every rank — at once while the step agrees call by call (its kind's first step, or
+``debug``), else at the next ``plan``, after this rank has run the call every rank
+scheduled on zeros so that no exchange is left waiting. A head count the plan's groups cannot
+split is an :class:`~knapformer.errors.InvalidPlanError` naming the group, and so is a ring
+plan run on the other attention path than ``attn_path`` names (``attention``: ring rounds;
+``pre_attn``: the K/V all-gather of :mod:`.kv_gather`). Under ``torch.autocast`` q, k, v are
+cast to the autocast dtype first (what SDPA does); under ``torch.compile`` ``attention`` and
+``cross_attention`` are one opaque operator each (:mod:`.compiled`).
 
 Devices come from tensors (index tensors are copied to the tensor's device once per plan);
-collectives use the group's backend: gloo for CPU tensors, NCCL for CUDA tensors.
+exchanges use the group's backend: gloo for CPU tensors, NCCL for CUDA tensors.
 """
 
 from __future__ import annotations
@@ -32,30 +46,41 @@ import torch.distributed as dist
 
 import knapformer.distributed.compiled as compiled
 import knapformer.distributed.cross as cross
+import knapformer.distributed.kv_gather as kv_gather
 import knapformer.distributed.ops as ops
+import knapformer.distributed.ring as ring
 import knapformer.distributed.trace as trace
 import knapformer.distributed.ulysses as ulysses
+from knapformer.attention.varlen import varlen_attention
 from knapformer.config import BalancerConfig
 from knapformer.distributed.agree import digest62, gather_ints, gather_text, group_device
-from knapformer.distributed.attention_calls import AttentionCalls
 from knapformer.distributed.backends import data_device, device_problem, uses_nccl
-from knapformer.distributed.checks import StepChecks, as_lengths
+from knapformer.distributed.checks import SKIP, LayerCall, StepChecks, as_lengths, attention_problem
 from knapformer.distributed.closed_loop import ClosedLoop
 from knapformer.distributed.compiled import eager_only
+from knapformer.distributed.exchange import warm_up
 from knapformer.distributed.link_probe import measure_link
 from knapformer.distributed.settings import agree_settings, asked_group, resolve_groups
 from knapformer.distributed.spec import RouteSpec, build_route_spec
-from knapformer.errors import BalancerConfigError, BalancerInputError, PlanMismatchError
-from knapformer.executor.opaque import owner_handle
-from knapformer.executor.protocol import RoutedContext
+from knapformer.errors import BalancerConfigError, BalancerInputError, InvalidPlanError, PlanMismatchError
+from knapformer.executor.opaque import attend, owner_handle
+from knapformer.executor.protocol import RoutedContext, VarlenArgs, context_tensors
 from knapformer.layout import AutoLayout, BagLayout
 from knapformer.plan import Plan, PlanProblem, get_solver
 from knapformer.plan.cost import LinkModel
+from knapformer.plan.memory import gathered_memory
 from knapformer.plan.problem import ValidLens, validate_lengths
 from knapformer.telemetry import StepTelemetry
 from knapformer.workload import WorkloadModel
 
-__all__ = ["STATE_VERSION", "BalancerConfigError", "BalancerInputError", "PlanMismatchError", "SequenceBalancer"]
+__all__ = [
+    "STATE_VERSION",
+    "BalancerConfigError",
+    "BalancerInputError",
+    "PlanMismatchError",
+    "SequenceBalancer",
+    "autocast_inputs",
+]
 
 _log = logging.getLogger("knapformer")
 
@@ -63,7 +88,7 @@ STATE_VERSION = 1
 """Version of :meth:`SequenceBalancer.state_dict`'s format."""
 
 
-class SequenceBalancer(AttentionCalls):
+class SequenceBalancer:
     """Plans and executes sequence balancing for one balancing group per replica.
 
     Build it from a :class:`~knapformer.config.BalancerConfig`, or with the layout and cost
@@ -128,6 +153,8 @@ class SequenceBalancer(AttentionCalls):
         self._devices: list[str] | None = None  # every rank's "host/device", once the first route saw them
         self._kv_gather = config.attn_path == "pre_attn"  # plans price pre_attn's K/V all-gather
         self._opaque = owner_handle(self)  # how torch.compile's operators find this balancer
+        if uses_nccl(self.group) and torch.cuda.is_available():  # NCCL: point-to-point among subsets needs
+            warm_up(self.group, data_device(self.group))  # the communicator made by all members first
         self._loop.planning = dataclasses.replace(self._loop.planning, link=self._resolve_link(config))
 
     def _resolve_link(self, config: BalancerConfig) -> LinkModel | None:
@@ -297,11 +324,16 @@ class SequenceBalancer(AttentionCalls):
 
     @eager_only
     def flush(self) -> StepTelemetry | None:
-        """Complete the last step's telemetry now (collective: an agreement and one small
-        all-gather) instead of at the next ``plan``; returns it."""
+        """Complete the last step's telemetry now (collective: an agreement, and one small
+        all-gather when telemetry is waiting) instead of at the next ``plan``; returns it.
+
+        The agreement also raises, on every rank, an error deferred in this step (a bad layer
+        found where no rendezvous follows): call it after ``backward()`` and before
+        ``optimizer.step()`` to stop such a step before it changes the weights — one host
+        rendezvous per step, which the next ``plan`` makes anyway otherwise."""
+        self._checks.agree("flush", play=False)
         if not self._loop.waiting:
             return self.last_step
-        self._checks.agree("flush", play=False)
         bits = self._loop.drain_bits()
         S = dist.get_world_size(self.group)
         table = gather_ints(self._checks.control, bits, [len(bits)] * S, "flush").reshape(S, len(bits))
@@ -352,15 +384,19 @@ class SequenceBalancer(AttentionCalls):
     def report_error(self, message: str) -> None:
         """Report a problem only this rank can see (e.g. a malformed sample): it is raised, as
         :class:`BalancerInputError` naming this rank and carrying ``message``, on every rank of
-        the group at the next agreement (the next exchange or ``plan``), so the other ranks do
-        not wait in a collective this rank has left."""
+        the group at the next agreement (the step's first exchanging call, a call of a step
+        that agrees call by call, ``flush`` or the next ``plan``), so the other ranks do not
+        wait in an exchange this rank has left."""
         self._checks.defer(message)
 
     @eager_only
     def raise_everywhere(self, message: str) -> NoReturn:
         """Raise ``message`` now, on every rank of the group: this rank joins the agreement the
-        others are entering at their next exchange, and all of them raise
-        :class:`BalancerInputError` with it."""
+        others are entering at their next agreed call, and all of them raise
+        :class:`BalancerInputError` with it. Meant for problems found before the step's first
+        exchange (the families check their samples there): in a later step of a known kind,
+        after its first exchange, the other ranks agree next at their next ``plan`` — use
+        :meth:`report_error` there (the step then finishes on zeros)."""
         self._checks.defer(message)
         self._checks.agree("raise_everywhere")
         raise AssertionError("unreachable: the agreement raises")  # pragma: no cover
@@ -380,12 +416,27 @@ class SequenceBalancer(AttentionCalls):
             planned = list(plan.seq_lens[self.group_rank])
             if [int(n) for n in seq_lens] != planned:
                 error = f"the tensors are laid out as sequences {list(seq_lens)[:8]}..., planned {planned[:8]}..."
-        tensors = self._checks.tensors("route", tensors, spec.num_local, error=error, names=names)
+        # every route agrees (it opens a segment of the step: the rendezvous before its layers)
+        tensors, _, _ = self._checks.once("route", tensors, spec.num_local, error=error, names=names)
         if self._devices is None:  # once: ranks on one GPU under NCCL, or on mixed devices, fail here
             self._check_devices(x.device)
         self._data_device = x.device
         out = ops.route(self._loop.on_route(tensors), spec, self.group)
         return out[0] if not features else tuple(out)
+
+    def _skipped(self, tensors, rows: int) -> list[torch.Tensor]:
+        """What a call that makes no exchange on this rank returns (its error is deferred):
+        zeros of the caller's tensors' forms with ``rows`` rows, joined to the caller's tensors
+        (so that its backward runs)."""
+        device = next((t.device for t in tensors if isinstance(t, torch.Tensor)), self._data_device)
+        out = []
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.dim() > 0:
+                z = torch.zeros((rows, *t.shape[1:]), dtype=t.dtype, device=t.device)
+            else:
+                z = torch.zeros((rows,), device=device)
+            out.append(_tie(z, *tensors) if z.is_floating_point() else z)
+        return out
 
     def _check_devices(self, device: torch.device) -> None:
         """Every rank's data device, gathered once (at the first route, before data moves): two
@@ -403,20 +454,29 @@ class SequenceBalancer(AttentionCalls):
         """Inverse of :meth:`route`: (R, *F) -> (T, *F) in the caller's original order."""
         _, spec = self._require_spec()
         tensors = (y, *features)
-        tensors = self._checks.tensors("reverse_route", tensors, spec.num_routed, names=names)
-        self._loop.on_reverse(y)
-        out = ops.reverse_route(tensors, spec, self.group)
+        peers = spec.route_peers.peers
+        tensors, verdict, skip = self._checks.once("reverse_route", tensors, spec.num_routed, names=names, peers=peers)
+        if verdict == SKIP:
+            out = self._skipped(tensors, spec.num_local)
+        else:
+            self._loop.on_reverse(y)
+            out = ops.reverse_route(tensors, spec, self.group, skip)
         return out[0] if not features else tuple(out)
 
     @eager_only
     def gather_sequences(self, *per_seq: torch.Tensor, names=None) -> tuple[torch.Tensor, ...]:
-        """Per-sequence rows of every rank of the group, in group sequence-id order: (n_local,
-        *F) each -> (n_group, *F), indexable by ``routed_positions()[0]``. Differentiable; one
-        collective per dtype. Use it for conditioning (timestep/AdaLN vectors, text lengths)."""
-        plan, _ = self._require_spec()
-        counts = plan.index.counts.tolist()
-        per_seq = self._checks.tensors("gather_sequences", per_seq, counts[self.group_rank], names=names)
-        return tuple(ops.gather_sequences(per_seq, counts, self.group_rank, self.group))
+        """Per-sequence rows, in group sequence-id order: (n_local, *F) each -> (n_group, *F),
+        indexable by ``routed_positions()[0]``. A rank gets the rows of its own sequences and
+        of every sequence it holds tokens of (all a routed token can index); the other rows
+        are zero. Differentiable; one exchange per dtype, with the owners and holders of those
+        sequences only. Use it for conditioning (timestep/AdaLN vectors, text lengths)."""
+        plan, spec = self._require_spec()
+        n_local = len(plan.seq_lens[self.group_rank])
+        peers = ops.sequence_rows_peers(spec, plan).peers
+        per_seq, verdict, skip = self._checks.once("gather_sequences", per_seq, n_local, names=names, peers=peers)
+        if verdict == SKIP:
+            return tuple(self._skipped(per_seq, plan.index.num_seqs))
+        return tuple(ops.gather_sequences(per_seq, spec, plan, self.group, skip))
 
     @eager_only
     def route_context(self, context: torch.Tensor, lens: Sequence[int]) -> RoutedContext:
@@ -424,8 +484,8 @@ class SequenceBalancer(AttentionCalls):
         sequence i, e.g. its embedded text) to every rank of the group that holds queries of
         that sequence, once per step; every layer's :meth:`cross_attention` reuses the result.
         Differentiable (a context sent to several ranks gets the sum of their gradients).
-        Collectives: the agreement, a gather of the lengths, and one all-to-all unless every
-        context stays on its own rank."""
+        Exchanges, with the owners and holders of the sequences only: the context lengths (on
+        the host), then the rows."""
         return cross.route_context(self, context, lens)
 
     def routed_positions(self, device: torch.device | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -444,3 +504,275 @@ class SequenceBalancer(AttentionCalls):
             return spec.routed_seq_id, spec.routed_pos
         idx = spec.indices_on(device)
         return idx["routed_seq_id"], idx["routed_pos"]
+
+    # -- attention --------------------------------------------------------------------------------
+    def _pre(self, q, k, v, op: str, causal: bool) -> ulysses.UlyssesCall | None:
+        """Check a layer's q, k, v and run the pre-attention exchange; None when this rank ran
+        the scheduled call on zeros instead (its error is deferred)."""
+        _, spec = self._require_spec()
+        q, k, v = autocast_inputs(q, k, v)
+        error = attention_problem(q, k, v, spec.num_routed, self.group_rank)
+        call = LayerCall(op, causal=causal) if error else LayerCall.of(op, (q, k, v), causal)
+        played = self._checks.layer(call, error)
+        if played is not None:
+            self._played = None if played == SKIP else self._play(played, (q, k, v))
+            return None
+        kind = "input"
+        if not error:
+            error = self._plan_problem(op, q.shape[1], k.shape[1], causal)
+            kind = "plan"
+            if error and self._checks.agreed:  # the shapes agree: every rank raises it here, before data moves
+                self._checks.fail()
+                raise InvalidPlanError(error)
+        if error:  # a plan problem in a scheduled segment (an agreed call raised already): the peers
+            self._checks.peer_check(spec.layer_peers, op, (), error, kind)  # learn it from the header and
+            self._played = None  # leave this rank out
+            return None
+        return self._pre_run(q, k, v, op, causal, call.values())
+
+    def _plan_problem(self, op: str, h: int, h_kv: int, causal: bool) -> str:
+        """Why this plan cannot run a layer of ``h``/``h_kv`` heads through ``op`` ("" if it
+        can): heads its groups cannot split, a ring plan on the other attention path, gathered
+        keys and values over the memory cap. Computed once per plan and head configuration (a
+        layer's host work does not grow with the group)."""
+        plan, spec = self._require_spec()
+        key = ("plan problem", op, h, h_kv, causal, self.config.attn_path)
+        if key not in spec.cache:
+            problem = ulysses.check_heads(h, h_kv, spec)
+            problem = f"SequenceBalancer.{op}: the plan cannot run these heads: {problem}" if problem else ""
+            if not problem and spec.ring_rounds > 1:  # the plan and the settings are the same on every rank
+                try:
+                    self._check_ring_path(op, plan, h, h_kv, causal)
+                except InvalidPlanError as exc:
+                    problem = str(exc)
+            spec.cache[key] = problem
+        return spec.cache[key]
+
+    def _pre_run(self, q, k, v, op: str, causal: bool, values: tuple) -> ulysses.UlyssesCall:
+        plan, spec = self._require_spec()
+        self._data_device = q.device
+        self._loop.note_bytes(q.element_size())  # the agreed dtype: the next plans price it
+        if op == "pre_attn" and self.config.attn_path == "auto":
+            self._kv_gather = True  # the plans from now on price the all-gather (every rank is here)
+        skip = self._checks.peer_check(spec.layer_peers, op, values) if spec.layer_peers else frozenset()
+        return ulysses.pre_attn_batches(q, k, v, spec, self.group, skip)
+
+    def _play(self, entry: LayerCall, like=()) -> torch.Tensor | VarlenArgs | None:
+        """Run scheduled call ``entry`` on zeros: this rank makes the exchanges every other rank
+        makes now (its own call was different, or bad; the step raises at its next agreement).
+        ``like``: this rank's own tensors, whose autograd graphs the zeros join."""
+        _, spec = self._require_spec()
+        device = next((t.device for t in _tensors(*like)), self._data_device)
+        if entry.op == "post_attn":
+            call, self._call = self._call, None
+            if call is None:  # no pre_attn to invert: there is no exchange to join
+                return None
+            # the kernel's output on zeros, hanging off its inputs (the pre exchange's: its backward runs
+            # after this call's, as the peers' do) and the caller's tensors
+            inputs = [b.q for b in call.batches if b.q.requires_grad]
+            o = _tie(torch.zeros(ulysses.output_shape(call), dtype=call.dtype, device=device), *like, *inputs[:1])
+            return self._post_run(call, ulysses.unflatten_pairs(kv_gather.join_backward(o, call.kv_token), call))
+        q, k, v = (
+            _tie(torch.zeros((spec.num_routed, *shape), dtype=dtype, device=device), *like)
+            for dtype, shape in entry.tensors
+        )
+        if torch.is_grad_enabled() and not q.requires_grad and q.is_floating_point():
+            q = q.requires_grad_()  # a backward of its own: the peers run this call's backward exchanges
+        if entry.op == "attention":
+            return self._attention_run(self._pre_run(q, k, v, "attention", entry.causal, entry.values()), entry.causal)
+        call = self._pre_run(q, k, v, "pre_attn", entry.causal, entry.values())
+        if spec.in_ring:
+            call = kv_gather.gather_kv(call, spec, self.group, entry.causal)
+        self._call = call
+        return ulysses.flatten_pairs(call)
+
+    def _check_ring_path(self, op: str, plan, h: int, h_kv: int, causal: bool) -> None:
+        """A ring plan runs on the attention path it was made for (``attn_path``); the
+        all-gather's keys and values fit the memory cap."""
+        path = self.config.attn_path
+        want = "pre_attn" if op == "pre_attn" else "attention"
+        if path != "auto" and path != want:
+            how = "its K/V all-gather" if want == "pre_attn" else "ring rounds"
+            raise InvalidPlanError(
+                f"SequenceBalancer.{op}: this plan has ring groups and was made for attn_path={path!r}, but "
+                f"{op} runs them through {how}, which the plan did not price"
+                + (" or count against max_tokens_per_rank" if want == "pre_attn" else "")
+                + f": set BalancerConfig(attn_path={want!r}) (or 'auto') for a model that calls {op}"
+            )
+        cap = plan.max_tokens_per_rank
+        if want == "pre_attn" and cap is not None:
+            held = gathered_memory(plan, h, h_kv, causal)
+            worst = int(held.argmax())
+            if held[worst] > cap:
+                raise InvalidPlanError(
+                    f"SequenceBalancer.pre_attn: with its gathered keys and values rank {worst} holds "
+                    f"{int(held[worst])} token-equivalents > max_tokens_per_rank={cap} under this plan "
+                    f"(made for attn_path={'pre_attn' if plan.kv_gather else 'attention'!r}); plans made "
+                    "with attn_path='pre_attn' count them (under 'auto' from the step after the first pre_attn)"
+                )
+
+    def _post_run(self, call: ulysses.UlyssesCall, outs: list) -> torch.Tensor:
+        _, spec = self._require_spec()
+        return ulysses.post_attn_batches(call, outs, spec, self.group)
+
+    @eager_only
+    def pre_attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool | None = None) -> VarlenArgs:
+        """Routed q (R, h, D), k/v (R, h_kv, ·) -> the arguments of one custom varlen kernel call
+        (:class:`~knapformer.executor.VarlenArgs`, flash-attn's order: q, k, v, cu_seqlens_q,
+        cu_seqlens_k, max_seqlen_q, max_seqlen_k); :meth:`post_attn` takes the kernel's
+        output. Pass the ``causal`` your kernel uses: under a ring plan it shapes the key
+        segments (causal: bottom-right-aligned masks over key prefixes); None (the default)
+        takes the cost model's ``causal`` flag. A rank whose
+        sequences all have one degree k (every bag layout) gets (A, h/k, ·) with its head
+        slice; a rank mixing head slices gets (segment, query head) pairs of one head each.
+        Every plan runs here: ring groups gather their keys and values over the ring
+        (:mod:`knapformer.distributed.kv_gather`)."""
+        _, spec = self._require_spec()
+        causal = bool(self.config.cost.causal) if causal is None else bool(causal)
+        call = self._pre(q, k, v, "pre_attn", causal)
+        if call is None:  # ran the scheduled call on zeros: the kernel gets zeros of the same form
+            self._call = self._call if isinstance(self._played, VarlenArgs) else None
+            self._expected = _expected_output(q, v, spec.num_routed)
+            if isinstance(self._played, VarlenArgs):
+                return self._played
+            z = torch.zeros(self._expected, dtype=self._expected_dtype(q), device=self._data_device)
+            cu = torch.tensor([0, z.shape[0]], dtype=torch.int32, device=z.device)
+            return VarlenArgs(z, z, z, cu, cu, z.shape[0], z.shape[0])
+        if spec.in_ring:  # with this rank's ring peers
+            call = kv_gather.gather_kv(call, spec, self.group, causal)
+        self._call, self._expected = call, None
+        return ulysses.flatten_pairs(call)
+
+    @eager_only
+    def post_attn(self, o: torch.Tensor) -> torch.Tensor:
+        """Output of the kernel run on :meth:`pre_attn`'s tensors -> (R, h, Dv) in routed order.
+        A wrong shape or dtype on any rank raises on every rank (at this call where it agrees,
+        else at the step's next agreement)."""
+        call, mine = self._call, self._expected  # mine: the shape this rank's caller expects (its pre_attn was played)
+        if call is None and mine is None:
+            raise RuntimeError("SequenceBalancer.post_attn: call pre_attn first (post_attn inverts it)")
+        error = ""
+        if call is not None:
+            expected, dtype = ulysses.output_shape(call), call.dtype
+            if not isinstance(o, torch.Tensor) or tuple(o.shape) != expected or o.dtype != dtype:
+                got = (tuple(o.shape), o.dtype) if isinstance(o, torch.Tensor) else type(o).__name__
+                error = (
+                    f"post_attn got {got} on rank {self.group_rank}, expected {expected} of {dtype} "
+                    "(pre_attn's query rows and heads)"
+                )
+        else:
+            error = "its pre_attn ran another call (see the first error)"
+        entry = self._checks.layer(LayerCall("post_attn"), error)
+        if entry == SKIP:  # a call beyond the schedule: no exchange (its error is deferred)
+            self._call = self._expected = None
+            _, spec = self._require_spec()
+            shape = mine or ((spec.num_routed, call.heads[0], call.heads[3]) if call is not None else (spec.num_routed, 1, 1))
+            dtype = o.dtype if isinstance(o, torch.Tensor) and o.is_floating_point() else torch.float32
+            return _tie(torch.zeros(shape, dtype=dtype, device=self._data_device), o)
+        if entry is None and error:  # a scheduled segment (an agreed call raised already)
+            self._call = self._expected = None
+            _, spec = self._require_spec()
+            if call is None:  # its pre_attn made no exchange (its error is deferred): neither does this
+                shape = mine or (spec.num_routed, 1, 1)
+                return _tie(torch.zeros(shape, dtype=self._expected_dtype(o), device=self._data_device), o)
+            # the peers wait for this rank's outputs: zeros of the kernel output's form go instead
+            self._checks.defer(f"post_attn on rank {self.group_rank} (step {self._checks.step}): {error}")
+            z = _tie(torch.zeros(ulysses.output_shape(call), dtype=call.dtype, device=self._data_device), o)
+            out = self._post_run(call, ulysses.unflatten_pairs(kv_gather.join_backward(z, call.kv_token), call))
+            return out if mine is None else _tie(torch.zeros(mine, dtype=out.dtype, device=out.device), out)
+        if entry is None:
+            self._call = self._expected = None
+            out = self._post_run(call, ulysses.unflatten_pairs(kv_gather.join_backward(o, call.kv_token), call))
+            if mine is None:
+                return out
+            return _tie(torch.zeros(mine, dtype=out.dtype, device=out.device), out)
+        played = self._play(entry, _tensors(o))
+        self._call = self._expected = None
+        _, spec = self._require_spec()
+        shape = mine or (spec.num_routed, call.heads[0], call.heads[3])
+        dtype = o.dtype if isinstance(o, torch.Tensor) and o.is_floating_point() else torch.float32
+        return _tie(torch.zeros(shape, dtype=dtype, device=self._data_device), o, played)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
+        """Attention of routed tokens within their own sequences: q (R, h, D), k/v (R, h_kv, ·)
+        -> (R, h, Dv); one varlen call per parallel degree on this rank. Under
+        ``torch.autocast`` q, k, v are cast to the autocast dtype first, as SDPA does. Under
+        ``torch.compile`` it is one opaque operator (``knapformer::attend``): a block that
+        calls it compiles with ``fullgraph=True, dynamic=True`` and is not recompiled for a
+        step of other lengths."""
+        if torch.compiler.is_compiling():
+            q, k, v = autocast_inputs(q, k, v)
+            return attend("balanced", q, k, v, owner=self._opaque, causal=causal, backend=self.config.attn_backend)
+        return self._attention_eager(q, k, v, causal)
+
+    def _attention_eager(self, q, k, v, causal: bool) -> torch.Tensor:
+        _, spec = self._require_spec()
+        causal = bool(causal)
+        call = self._pre(q, k, v, "attention", causal)
+        if call is not None:
+            return self._attention_run(call, causal)
+        # this rank ran the scheduled call on zeros; its caller gets zeros of its own call's shape
+        shape = _expected_output(q, v, spec.num_routed)
+        out = torch.zeros(shape, dtype=self._expected_dtype(q), device=self._data_device)
+        return _tie(out, q, k, v, self._played if isinstance(self._played, torch.Tensor) else None)
+
+    def _attention_run(self, call: ulysses.UlyssesCall, causal: bool) -> torch.Tensor:
+        _, spec = self._require_spec()
+        backend = self.config.attn_backend
+        with trace.span(trace.ATTENTION):
+            outs = [
+                None
+                if b.ring is not None
+                else varlen_attention(b.q, b.k, b.v, b.cu_seqlens, b.max_len, causal=causal, backend=backend)
+                for b in call.batches
+            ]
+        if spec.in_ring:  # rounds with this rank's ring peers
+            outs, call.anchor = ring.ring_attention(
+                call.batches, outs, call.anchor, spec.ring_rounds, spec.rank, self.group, causal, backend, call.skip
+            )
+        return self._post_run(call, outs)
+
+    def _expected_dtype(self, q) -> torch.dtype:
+        return q.dtype if isinstance(q, torch.Tensor) and q.is_floating_point() else torch.float32
+
+    def cross_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: RoutedContext
+    ) -> torch.Tensor:
+        """Cross-attention of routed queries q (R, h, D) over their own sequence's context:
+        k (M, h_kv, D), v (M, h_kv, Dv) projected from ``context.rows`` -> (R, h, Dv). Local:
+        each rank computes all heads for the queries it holds (no exchange). A bad shape on
+        one rank is raised on every rank at the next agreement (zeros meanwhile)."""
+        q, k, v = autocast_inputs(q, k, v)
+        if torch.compiler.is_compiling():
+            return attend("balanced_cross", q, k, v, context_tensors(context), owner=self._opaque)
+        return cross.cross_attention(self, q, k, v, context)
+
+
+def _tensors(*ts) -> list[torch.Tensor]:
+    return [t for t in ts if isinstance(t, torch.Tensor)]
+
+
+def _tie(out: torch.Tensor, *ts) -> torch.Tensor:
+    """``out`` joined to the autograd graphs of ``ts`` (added zero): a rank that runs a call
+    on zeros still runs the backward exchanges the other ranks run through theirs."""
+    for t in ts:
+        if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point():
+            out = out + 0 * t.sum().to(out.dtype)
+    return out
+
+
+def _expected_output(q, v, rows: int) -> tuple[int, int, int]:
+    """The output shape a caller of ``attention(q, k, v)`` expects (``rows`` routed tokens when
+    q or v are not 3-D tensors)."""
+    if all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (q, v)):
+        return (q.shape[0], q.shape[1], v.shape[2])
+    return (rows, 1, 1)
+
+
+def autocast_inputs(q, k, v):
+    """Under ``torch.autocast`` for the tensors' device: q, k, v in the autocast dtype (what SDPA
+    does with its inputs), so mixed dtypes become one."""
+    if not isinstance(q, torch.Tensor) or not torch.is_autocast_enabled(q.device.type):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(q.device.type)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q, k, v))

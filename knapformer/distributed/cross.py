@@ -5,7 +5,9 @@ rank of the group that holds queries of that sequence, once per step (the exchan
 planned by :func:`~knapformer.distributed.context.build_context_route`); every layer's
 ``cross_attention`` then runs locally — each rank computes all heads for the queries it holds,
 no exchange. A bad shape on one rank in ``cross_attention`` is deferred to the next agreement
-(zeros meanwhile), since no collective follows it that could carry the error.
+(zeros meanwhile), since no collective follows it that could carry the error. Both exchanges of
+``route_context`` (the context lengths, then the rows) involve only the owners and holders of
+the sequences.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 import knapformer.distributed.ops as ops
 from knapformer.attention.bounds import host_bounds, to_device
-from knapformer.distributed.agree import gather_ints
+from knapformer.distributed.checks import SKIP
 from knapformer.distributed.context import build_context_route
+from knapformer.distributed.exchange import Peers, exchange
 from knapformer.executor.protocol import (
     RoutedContext,
     context_problem,
@@ -37,6 +41,7 @@ class _Balancer(Protocol):
     group_rank: int
     config: Any
     _checks: Any
+    _data_device: Any
 
     def _require_spec(self) -> tuple[Any, Any]: ...
 
@@ -49,15 +54,44 @@ def route_context(bal: _Balancer, context: torch.Tensor, lens: Sequence[int]) ->
     plan, spec = bal._require_spec()
     n_local = len(plan.seq_lens[bal.group_rank])
     error = context_problem(context, lens, n_local)
-    if error:
-        bal._checks.agree("route_context", error)
-    (context,) = bal._checks.tensors("route_context", (context,), context.shape[0], names=("context",))
-    # every sequence's context length, gathered on the host (the control group: no device sync)
-    all_lens = gather_ints(bal._checks.control, [int(n) for n in lens], plan.index.counts.tolist(), "route_context")
-    route = build_context_route(plan, bal.group_rank, all_lens)
+    rows = context.shape[0] if not error else -1
+    sizes = _sizes_route(plan, spec)
+    (context,), verdict, skip = bal._checks.once(
+        "route_context", (context,), rows, error=error, names=("context",), peers=sizes[1].peers
+    )
+    if verdict == SKIP:  # no exchange on this rank (its error is deferred; its peers leave it out)
+        device = context.device if isinstance(context, torch.Tensor) else bal._data_device
+        width = context.shape[1:] if isinstance(context, torch.Tensor) and context.dim() > 1 else ()
+        empty = np.zeros(0, dtype=np.int64)
+        return routed_context(torch.zeros((0, *width), device=device), empty, empty, spec.routed_seq_id)
+    return _route_context(bal, plan, spec, context, [int(n) for n in lens], skip)
+
+
+def _sizes_route(plan, spec):
+    """Which (holder, sequence) pairs this rank sends and receives a context length for (one
+    value per pair), cached on the spec."""
+    key = "context sizes"
+    if key not in spec.cache:
+        ones = ops.sequence_rows_route(plan, spec.rank)
+        spec.cache[key] = (ones, Peers.from_splits(ones.send_splits, ones.recv_splits, spec.rank))
+    return spec.cache[key]
+
+
+def _route_context(bal: _Balancer, plan, spec, context: torch.Tensor, lens: list[int], skip) -> RoutedContext:
+    """The two exchanges of ``route_context``: each owner tells the holders of its sequences
+    their context lengths (int64 on the host, the control group: no device synchronisation),
+    then sends the rows. Peers in ``skip`` are left out (their sequences get no context rows)."""
+    ones, peers = _sizes_route(plan, spec)
+    first = int(plan.index.first[spec.rank])
+    local = np.asarray(lens, dtype=np.int64)
+    got = exchange(torch.from_numpy(local[ones.send_rows]), peers.without(skip), bal._checks.control, "route_context sizes")
+    ctx_lens = np.zeros(plan.index.num_seqs, dtype=np.int64)
+    ctx_lens[first : first + local.size] = local
+    ctx_lens[ones.seq_ids] = got.numpy()  # a left-out peer's sequences: 0 rows
+    route = build_context_route(plan, bal.group_rank, ctx_lens)
     rows = context.index_select(0, to_device(torch.from_numpy(route.send_rows), context.device))
-    if route.moves:
-        rows = ops.all_to_all(rows, route.send_splits, route.recv_splits, bal.group, "route_context")
+    moved = Peers.from_splits(route.send_splits, route.recv_splits, spec.rank).without(skip)
+    rows = ops.move(rows, moved, bal.group, "route_context")
     return routed_context(rows, route.seq_ids, route.lens, spec.routed_seq_id)
 
 

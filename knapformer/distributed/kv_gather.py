@@ -17,10 +17,10 @@ then computes what the ring computes:
   up to the run's end, under the bottom-right-aligned causal mask. The earlier run's prefix
   is then held twice: L·(2r + 1)/(2r) key rows per sequence instead of L.
 
-One ``all_to_all_single`` per layer over the balancing group moves every ring entry's blocks
-at once (each member sends its own block to each ring peer; splits in elements, so entries of
-different widths share it; a rank in no ring joins with empty splits). Its backward is the
-opposite exchange: every gathered block's key/value gradients go back to the block's owner,
+One exchange per layer with this rank's ring peers (point-to-point, :mod:`.exchange`) moves
+every ring entry's blocks at once (each member sends its own block to each ring peer; counts in
+elements, so entries of different widths share it; a rank in no ring exchanges nothing). Its
+backward is the opposite exchange: every gathered block's key/value gradients go back to the block's owner,
 where they add up with its own (a reduce-scatter over the ring), in the activations' dtype.
 Memory per member and ring sequence: its block plus the gathered keys and values of its kv
 heads (≈ L rows of h_kv/u heads × (D + Dv)), where the ring holds a few blocks of L/r —
@@ -40,7 +40,7 @@ import torch
 
 import knapformer.distributed.trace as trace
 from knapformer.attention.bounds import to_device, upload
-from knapformer.distributed.ops import exchange
+from knapformer.distributed.exchange import Peers, exchange
 from knapformer.distributed.spec import GroupEntry, RouteSpec
 from knapformer.distributed.ulysses.exchange import AttnBatch, UlyssesCall
 
@@ -113,21 +113,20 @@ def _entry_tensors(spec: RouteSpec, e: GroupEntry, causal: bool, device) -> tupl
 class _GatherKV(torch.autograd.Function):
     """The flat send buffer (own blocks, once per ring peer) -> the received blocks, and an
     empty *token*: a rank whose kernel does not use what it received still runs the backward
-    exchange the other ranks are in, through the token (:func:`join_backward`)."""
+    exchange its ring peers are in, through the token (:func:`join_backward`)."""
 
     @staticmethod
-    def forward(ctx, send_split: list[int], recv_split: list[int], group, send):  # type: ignore[override]
-        ctx.splits = (send_split, recv_split, group)
+    def forward(ctx, peers: Peers, group, send):  # type: ignore[override]
+        ctx.peers, ctx.group = peers, group
         with trace.span(f"{trace.EXCHANGE}.kv_gather"):
-            recv = exchange(send, send_split, recv_split, group, "kv_gather")
+            recv = exchange(send, peers, group, "kv_gather")
         return recv, send.new_empty(0)
 
     @staticmethod
     def backward(ctx, grad_recv, grad_token):  # type: ignore[override]
-        send_split, recv_split, group = ctx.splits
         with trace.span(f"{trace.EXCHANGE}.kv_gather.backward"):
-            grad = exchange(grad_recv, recv_split, send_split, group, "kv_gather backward")
-        return None, None, None, grad
+            grad = exchange(grad_recv.contiguous(), ctx.peers.reversed(), ctx.group, "kv_gather backward")
+        return None, None, grad
 
 
 class _Join(torch.autograd.Function):
@@ -151,46 +150,57 @@ def join_backward(x: torch.Tensor, token: torch.Tensor | None) -> torch.Tensor:
     return _Join.apply(x, token)
 
 
+def _gather_peers(spec: RouteSpec, call: UlyssesCall, ring: list[int], widths: tuple[int, ...]):
+    """The gather's exchange (elements per ring peer, both ways) and each received block's
+    (slot, sub-group, elements), in buffer order; cached per plan and head widths."""
+    key = ("kv_gather peers", tuple(ring), widths)
+    if key not in spec.cache:
+        sends, recvs = [], []
+        for slot, i in enumerate(ring):
+            e = call.batches[i].ring
+            for j, peer in enumerate(e.ring_peers):
+                if j != e.ring_pos:
+                    sends.append((peer, slot))
+                    recvs.append((peer, slot, j))
+        # both sides of a pair list their common entries in the global group order
+        sends.sort(key=lambda t: t[0])
+        recvs.sort(key=lambda t: t[0])
+        rows = [sum(call.batches[i].ring.blocks[call.batches[i].ring.ring_pos]) for i in ring]
+        send_parts = [(peer, rows[slot] * widths[slot]) for peer, slot in sends]
+        pieces = [(slot, j, sum(call.batches[ring[slot]].ring.blocks[j]) * widths[slot]) for _, slot, j in recvs]
+        recv_parts = [(peer, n) for (peer, _, _), (_, _, n) in zip(recvs, pieces)]
+        spec.cache[key] = (Peers.from_parts(send_parts, recv_parts, spec.rank), [s for _, s in sends], pieces)
+    return spec.cache[key]
+
+
 def gather_kv(call: UlyssesCall, spec: RouteSpec, group, causal: bool) -> UlyssesCall:
     """This rank's attention batches with every ring batch completed for one kernel call: its
     queries as they are, its keys/values gathered from its ring peers and laid out in segments
-    (``AttnBatch.cu_seqlens_k``). Collective over the balancing group when the plan has a ring
-    (every rank joins, with a ring batch or not)."""
+    (``AttnBatch.cu_seqlens_k``). Point-to-point with this rank's ring peers only; a rank in
+    no ring group calls nothing (its call is returned as it is)."""
     ring = [i for i, b in enumerate(call.batches) if b.ring is not None]
+    if not ring:
+        return call
     anchor = call.anchor
-    assert anchor is not None, "a ring plan always has a pre-attention exchange"
+    assert anchor is not None, "a ring entry always has a pre-attention exchange"
     device = anchor.device
-    S = spec.num_ranks
-    lays, own, sends, recvs = [], [], [], []
-    for slot, i in enumerate(ring):
+    lays, own = [], []
+    for i in ring:
         b = call.batches[i]
-        e = b.ring
-        lays.append(_entry_tensors(spec, e, causal, device))
+        lays.append(_entry_tensors(spec, b.ring, causal, device))
         own.append(torch.cat([b.k.flatten(1), b.v.flatten(1)], dim=1))
-        for j, peer in enumerate(e.ring_peers):
-            if j != e.ring_pos:
-                sends.append((peer, slot))
-                recvs.append((peer, slot, j))
-    # both sides of a pair list their common entries in the global group order
-    sends.sort(key=lambda t: t[0])
-    recvs.sort(key=lambda t: t[0])
-    send_split, recv_split, sizes = [0] * S, [0] * S, []
-    for peer, slot in sends:
-        send_split[peer] += own[slot].numel()
-    for peer, slot, j in recvs:
-        n = lays[slot][0].block_rows[j] * own[slot].shape[1]
-        recv_split[peer] += n
-        sizes.append(n)
-    send = torch.cat([own[slot].reshape(-1) for _, slot in sends]) if sends else anchor
-    recv, token = _GatherKV.apply(send_split, recv_split, group, send)
-    pieces = dict(zip(((slot, j) for _, slot, j in recvs), torch.split(recv, sizes) if sizes else ()))
+    peers, send_slots, pieces = _gather_peers(spec, call, ring, tuple(o.shape[1] for o in own))
+    send = torch.cat([own[slot].reshape(-1) for slot in send_slots]) if send_slots else anchor
+    recv, token = _GatherKV.apply(peers.without(call.skip), group, send)
+    sizes = [n for _, _, n in pieces]
+    got = dict(zip(((slot, j) for slot, j, _ in pieces), torch.split(recv, sizes) if sizes else ()))
     batches = list(call.batches)
     for slot, i in enumerate(ring):
         b = batches[i]
         e = b.ring
         lay, key_rows, cu_q, cu_k = lays[slot]
         w = own[slot].shape[1]
-        blocks = [own[slot] if j == e.ring_pos else pieces[(slot, j)].view(-1, w) for j in range(e.ring)]
+        blocks = [own[slot] if j == e.ring_pos else got[(slot, j)].view(-1, w) for j in range(e.ring)]
         kv = torch.cat(blocks).index_select(0, key_rows)
         hkv, d, dv = b.k.shape[1], b.k.shape[2], b.v.shape[2]
         k, v = torch.split(kv, [hkv * d, hkv * dv], dim=1)

@@ -12,11 +12,11 @@ L/r tokens × h/u heads, never the whole sequence.
 
 Rounds. Round 0 is the own block. In round j (1 ≤ j < r) member s sends its own K/V block to
 ring peer s + j and receives the block of peer s − j (mod r), straight from its owner, so no
-round waits on another's arrival. Every rank of the balancing group joins every round of the
-plan's largest ring (``RouteSpec.ring_rounds``): all of a round's blocks, of every ring group
-a rank is in, move in one ``all_to_all_single`` (splits in elements; a rank with nothing to
-move joins with empty splits), and the next round's exchange is issued before the current
-round's blocks are computed, so on a device whose collectives run on their own stream the
+round waits on another's arrival. Rounds run up to the plan's largest ring
+(``RouteSpec.ring_rounds``, the same order on every rank): all of a round's blocks, of every
+ring group a rank is in, move in one exchange with that round's ring peers (point-to-point,
+:mod:`.exchange`; counts in elements; a rank with no peer in a round exchanges nothing), and
+the next round's exchange is issued before the current round's blocks are computed, so the
 exchange overlaps the block attention it feeds.
 
 Backward: the same K/V rounds again (nothing of the other blocks is kept), each round's
@@ -41,12 +41,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-import knapformer.distributed.lifetime as lifetime
 import knapformer.distributed.trace as trace
 from knapformer.attention.blockwise import block_backward, block_forward, compute_dtype, merge
 from knapformer.attention.lse import LseKernel, block_kernel
+from knapformer.distributed.exchange import TAGS, Peers, exchange_async
 from knapformer.distributed.ulysses.exchange import AttnBatch
 
 __all__ = ["RingSchedule", "pair_work", "ring_attention", "ring_schedule"]
@@ -160,7 +159,8 @@ def _rows(b: _Batch, sub: int) -> int:
 
 
 class _Exchange:
-    """One round's all-to-all, issued asynchronously; :meth:`wait` gives the received blocks."""
+    """One round's exchange with this rank's ring peers of that round, issued asynchronously;
+    :meth:`wait` gives the received blocks."""
 
     def __init__(
         self,
@@ -168,52 +168,40 @@ class _Exchange:
         j: int,
         blocks: list[torch.Tensor],
         widths: list[int],
-        world: int,
+        rank: int,
         group,
         dtype: torch.dtype,
         device,
         reverse: bool = False,
+        skip: frozenset = frozenset(),
     ):
         sends, recvs = sched.sends[j - 1], sched.recvs[j - 1]
+        if skip:  # peers left out of this call: nothing to or from them (their blocks are not computed)
+            sends = tuple(x for x in sends if x[1] not in skip)
+            recvs = tuple(x for x in recvs if x[1] not in skip)
+            blocks = blocks if reverse else [blocks[n] for n, x in enumerate(sched.sends[j - 1]) if x[1] not in skip]
         self.phase = f"ring round {j}" + (" (dK/dV back)" if reverse else "")
         # reverse: gradients go back to the block owners (what was received is sent, and vice versa)
         out_parts = [(i, peer) for i, peer, _ in recvs] if reverse else list(sends)
         in_parts = [(i, peer, sub) for i, peer in sends for sub in [sched.batches[i].pos]] if reverse else list(recvs)
-        send_split, recv_split = [0] * world, [0] * world
-        for n, (_, peer) in enumerate(out_parts):
-            send_split[peer] += blocks[n].numel()
-        self.pieces = []
-        for i, peer, sub in in_parts:
-            n = _rows(sched.batches[i], sub) * widths[i]
-            recv_split[peer] += n
-            self.pieces.append((i, n))
-        tensors = [blocks[n].reshape(-1) for n in range(len(out_parts))]
-        self.send = torch.cat(tensors).to(dtype) if tensors else torch.zeros(0, dtype=dtype, device=device)
-        self.recv = self.send.new_empty(sum(recv_split))
-        self.work = lifetime.collective(
-            lambda: dist.all_to_all_single(
-                self.recv,
-                self.send,
-                output_split_sizes=recv_split,
-                input_split_sizes=send_split,
-                group=group,
-                async_op=True,
-            ),
-            (self.recv, self.send),
-            self.phase,
-            group,
+        self.pieces = [(i, sub, _rows(sched.batches[i], sub) * widths[i]) for i, _, sub in in_parts]
+        peers = Peers.from_parts(
+            [(peer, blocks[n].numel()) for n, (_, peer) in enumerate(out_parts)],
+            [(peer, size) for (_, peer, _), (_, _, size) in zip(in_parts, self.pieces)],
+            rank,
         )
-        self.group = group
-        self.in_parts = in_parts
+        tensors = [blocks[n].reshape(-1) for n in range(len(out_parts))]
+        send = torch.cat(tensors).to(dtype) if tensors else torch.zeros(0, dtype=dtype, device=device)
+        tag = TAGS["ring grads"] if reverse else TAGS["ring"]
+        self.recv, self.pending = exchange_async(send, peers, group, self.phase, tag=tag)
 
     def wait(self) -> list[tuple[int, int, torch.Tensor]]:
         """(batch, source sub-group, flat block) of every received block."""
-        lifetime.wait(self.work, self.phase, self.group)
+        self.pending.wait()
         out, off = [], 0
-        for (i, _, sub), (_, n) in zip(self.in_parts, self.pieces):
+        for i, sub, n in self.pieces:
             out.append((i, sub, self.recv[off : off + n]))
             off += n
-        self.work = self.send = None
         return out
 
 
@@ -257,7 +245,7 @@ class _RingAttention(torch.autograd.Function):
     rank without ring batches still runs the backward rounds the others run."""
 
     @staticmethod
-    def forward(ctx, sched: RingSchedule, world: int, group, kernels, through, *qkv):  # type: ignore[override]
+    def forward(ctx, sched: RingSchedule, rank: int, group, skip, kernels, through, *qkv):  # type: ignore[override]
         n = len(sched.batches)
         qs, ks, vs = qkv[:n], qkv[n : 2 * n], qkv[2 * n :]
         dtype, device = through.dtype, through.device  # q's dtype on every rank (agreed)
@@ -265,7 +253,9 @@ class _RingAttention(torch.autograd.Function):
         own = [_kv_flat(k, v) for k, v in zip(ks, vs)]
 
         def exchange(j: int) -> _Exchange:
-            return _Exchange(sched, j, [own[i] for i, _ in sched.sends[j - 1]], widths, world, group, dtype, device)
+            return _Exchange(
+                sched, j, [own[i] for i, _ in sched.sends[j - 1]], widths, rank, group, dtype, device, skip=skip
+            )
 
         pending = exchange(1) if sched.rounds > 1 else None
         outs, lses = [], []
@@ -287,7 +277,7 @@ class _RingAttention(torch.autograd.Function):
                     b, q, v = sched.batches[i], qs[i], vs[i]
                     kk, vv = _kv_split(flat, _rows(b, sub), ks[i].shape[1], ks[i].shape[2], v.shape[2])
                     _forward_pairs(b, sub, q, kk, vv, outs[i], lses[i], sched.causal, kernels[i])
-        ctx.sched, ctx.world, ctx.group, ctx.kernels = sched, world, group, kernels
+        ctx.sched, ctx.rank, ctx.group, ctx.kernels, ctx.skip = sched, rank, group, kernels, skip
         results = [o.to(dtype) for o in outs]
         # the outputs are saved in the activations' dtype, not the fp32 they were merged in (half
         # the memory under bf16): the backward needs them only for δ = Σ do ⊙ o, which
@@ -297,7 +287,7 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
-        sched, world, group, kernels = ctx.sched, ctx.world, ctx.group, ctx.kernels
+        sched, rank, group, kernels, skip = ctx.sched, ctx.rank, ctx.group, ctx.kernels, ctx.skip
         n = len(sched.batches)
         saved = ctx.saved_tensors
         qs, ks, vs, outs, lses = (saved[i * n : (i + 1) * n] for i in range(5))
@@ -308,7 +298,9 @@ class _RingAttention(torch.autograd.Function):
         own = [_kv_flat(k, v) for k, v in zip(ks, vs)]
 
         def exchange(j: int) -> _Exchange:
-            return _Exchange(sched, j, [own[i] for i, _ in sched.sends[j - 1]], widths, world, group, dtype, device)
+            return _Exchange(
+                sched, j, [own[i] for i, _ in sched.sends[j - 1]], widths, rank, group, dtype, device, skip=skip
+            )
 
         deltas = [(do.to(lse.dtype) * o.to(lse.dtype)).sum(-1).transpose(0, 1) for do, o, lse in zip(dos, outs, lses)]
         dq = [torch.zeros(q.shape, dtype=compute_dtype(q), device=device) for q in qs]
@@ -366,13 +358,13 @@ class _RingAttention(torch.autograd.Function):
                     partials.append(_kv_flat(pk, pv))
                 if grads_back is not None:
                     _add_partials(grads_back.wait(), dk, dv, ks, vs)
-                grads_back = _Exchange(sched, j, partials, widths, world, group, gdtype, device, reverse=True)
+                grads_back = _Exchange(sched, j, partials, widths, rank, group, gdtype, device, reverse=True, skip=skip)
         if grads_back is not None:
             _add_partials(grads_back.wait(), dk, dv, ks, vs)
         dqs = [g.to(q.dtype) for g, q in zip(dq, qs)]
         dks = [g.to(k.dtype) for g, k in zip(dk, ks)]
         dvs = [g.to(v.dtype) for g, v in zip(dv, vs)]
-        return None, None, None, None, d_through, *dqs, *dks, *dvs
+        return None, None, None, None, None, d_through, *dqs, *dks, *dvs
 
 
 def _forward_pairs(b: _Batch, src: int, q, k, v, o, lse, causal: bool, kernel: LseKernel) -> None:
@@ -415,16 +407,18 @@ def ring_attention(
     outs: list,
     anchor: torch.Tensor | None,
     rounds: int,
-    world: int,
+    rank: int,
     group,
     causal: bool,
     backend: str = "auto",
+    skip: frozenset = frozenset(),
 ) -> tuple[list, torch.Tensor | None]:
     """Complete the ring batches of one layer: ``outs`` (per batch, None for ring batches)
-    gets their outputs; every rank joins all ``rounds`` of the plan. Blocks run on the block
+    gets their outputs; a rank in some ring group runs ``rounds`` rounds (the plan's largest
+    ring), exchanging in each with its ring peers of that round. Blocks run on the block
     kernel of the attention ``backend`` (:func:`knapformer.attention.lse.block_kernel`).
     Returns the outputs and the anchor to hand to the post exchange (the ring's pass-through,
-    so that the backward rounds run on every rank)."""
+    so that the backward rounds run wherever the forward ones did)."""
     ring = [i for i, b in enumerate(batches) if b.ring is not None]
     others = [i for i, b in enumerate(batches) if b.ring is None and b.degree > 1]
     sched = ring_schedule([batches[i] for i in ring], rounds, causal)
@@ -432,7 +426,7 @@ def ring_attention(
     through = outs[through_index] if through_index is not None else anchor
     qkv = [batches[i].q for i in ring] + [batches[i].k for i in ring] + [batches[i].v for i in ring]
     kernels = [block_kernel(backend, batches[i].q, batches[i].k, batches[i].v) for i in ring]
-    res = _RingAttention.apply(sched, world, group, kernels, through, *qkv)
+    res = _RingAttention.apply(sched, rank, group, skip, kernels, through, *qkv)
     outs = list(outs)
     for i, o in zip(ring, res[: len(ring)]):
         outs[i] = o

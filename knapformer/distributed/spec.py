@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from knapformer.attention.bounds import to_device, upload
+from knapformer.distributed.exchange import Peers
 from knapformer.plan import Plan
 from knapformer.plan.seqindex import DST, LEN, SRC, START
 
@@ -153,12 +154,22 @@ class RouteSpec:
     used_rings: tuple[int, ...]
     """Their ring sub-groups r (1: Ulysses alone)."""
     ring_rounds: int
-    """The largest r of the plan (1: no ring): every rank joins that many ring exchanges."""
+    """The largest r of the plan (1: no ring): ring exchanges run in rounds 1 … r − 1 (a rank
+    exchanges in a round only with the ring peers it has in it)."""
     has_ulysses: bool
-    """Some group of the plan has several members: every rank joins the pre/post exchanges."""
+    """This rank is in some group with several members: it exchanges before and after
+    attention (else its layers exchange nothing)."""
+    in_ring: bool
+    """This rank is in some ring group (ring rounds, or the K/V gather of ``pre_attn``)."""
     routes: bool
-    """Some token changes rank or some group has several members (the same on every rank): else
-    every rank's routed order is its local order and route/reverse move nothing (identities)."""
+    """This rank's route sends or receives rows, or reorders them: else its routed order is
+    its local order and route/reverse are identities (no exchange, no copy)."""
+    route_peers: Peers
+    """Route's exchange (reverse: ``route_peers.reversed()``): rows to and from each peer."""
+    layer_peers: frozenset[int]
+    """The ranks this rank moves data with in a layer's attention exchanges (Ulysses pre/post,
+    ring rounds, the K/V gather), whatever the heads: the members of its groups that hold
+    tokens it needs or need tokens it holds."""
     peer_tokens: dict[tuple[int, int], int] = field(repr=False)
     """(peer, entry index) -> tokens of that entry routed to that peer (peers of this rank's
     sub-group)."""
@@ -294,6 +305,17 @@ def build_route_spec(plan: Plan, rank: int) -> RouteSpec:
         sel = rel[grp[rel] == e.group]
         for m in e.sub:
             peer_tokens[(m, i)] = int(ch[sel[ch[sel, DST] == m], LEN].sum())
+    route_peers = Peers.from_splits(send_splits.tolist(), recv_splits.tolist(), rank)
+    layer_peers = set()
+    for i, e in enumerate(entries):
+        if e.degree == 1:
+            continue
+        mine_rows = e.hi - e.lo
+        layer_peers |= {m for m in e.sub if m != rank and (mine_rows or peer_tokens[(m, i)])}
+        if e.ring > 1:
+            own = sum(e.blocks[e.ring_pos])
+            layer_peers |= {m for s_, m in enumerate(e.ring_peers) if m != rank and (own or sum(e.blocks[s_]))}
+    home_in_order = bool((send_index == np.arange(send_index.size)).all())
     chunk_info = ChunkInfo(
         group=grp[rel],
         dst=ch[rel, DST],
@@ -318,8 +340,11 @@ def build_route_spec(plan: Plan, rank: int) -> RouteSpec:
         used_groups=tuple(tuple(int(r) for r in plan.groups[g]) for g in by_size.tolist()),
         used_rings=tuple(int(rings[g]) for g in by_size.tolist()),
         ring_rounds=max((int(rings[g]) for g in by_size.tolist()), default=1),
-        has_ulysses=bool(used.size and sizes[used].max() > 1),
-        routes=bool((used.size and sizes[used].max() > 1) or (ch[:, SRC] != ch[:, DST]).any()),
+        has_ulysses=any(e.degree > 1 for e in entries),
+        in_ring=any(e.ring > 1 for e in entries),
+        routes=bool(route_peers.moves or not identity or not home_in_order),
+        route_peers=route_peers,
+        layer_peers=frozenset(layer_peers),
         peer_tokens=peer_tokens,
         chunk_info=chunk_info,
     )

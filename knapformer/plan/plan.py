@@ -44,6 +44,7 @@ from knapformer.plan.chunks import chunk_table, slot_arrays, zigzag_slots
 from knapformer.plan.cost import LinkModel, comm_features, jitter_factor, ring_seconds, route_seconds, ulysses_seconds
 from knapformer.plan.memory import gathered_memory
 from knapformer.plan.problem import PlanProblem, moldable_lower_bound
+from knapformer.plan.sync import sync_sets, synced_times
 from knapformer.plan.seqindex import (
     DST,
     IDX,
@@ -129,7 +130,7 @@ class Plan:
     time_before: np.ndarray
     """(S,) predicted per-rank time without balancing."""
     time_after: np.ndarray
-    """(S,) predicted per-rank time with this plan."""
+    """(S,) predicted per-rank busy time with this plan (its own work and exchanges)."""
     lower_bound: float
     """No plan's makespan can be below this."""
     tokens_moved: int
@@ -154,6 +155,10 @@ class Plan:
     link: LinkModel | None = None
     """The links the exchanges in ``time_after`` were priced with (None: free); its
     ``units_per_second`` turns the times into seconds for pictures (not part of the digest)."""
+    step_after: np.ndarray | None = None
+    """(S,) predicted time each rank finishes the step: its busy time plus what it waits at its
+    exchanges for the slowest rank of its synchronised set (:mod:`knapformer.plan.sync`);
+    None: not priced (``time_after`` stands for it). ``makespan`` is its maximum."""
 
     # -- derived ---------------------------------------------------------------------------
     @property
@@ -187,7 +192,9 @@ class Plan:
 
     @property
     def makespan(self) -> float:
-        return float(self.time_after.max()) if self.time_after.size else 0.0
+        """The predicted step: the latest rank's finish (its waits at exchanges included)."""
+        t = self.time_after if self.step_after is None else self.step_after
+        return float(t.max()) if t.size else 0.0
 
     @property
     def imbalance_before(self) -> float:
@@ -294,6 +301,7 @@ def _plan_to_dict(plan: Plan) -> dict[str, Any]:
         "chunks": plan.chunks.tolist(),
         "time_before": plan.time_before.tolist(),
         "time_after": plan.time_after.tolist(),
+        "step_after": plan.step_after.tolist() if plan.step_after is not None else None,
         "lower_bound": plan.lower_bound,
         "tokens_moved": plan.tokens_moved,
         "plan_seconds": plan.plan_seconds,
@@ -333,6 +341,7 @@ def _plan_from_dict(d: dict[str, Any]) -> Plan:
             ring=tuple(int(r) for r in d["ring"]) if d.get("ring") is not None else None,
             kv_gather=d.get("kv_gather", False) is True or _not_a_flag(d.get("kv_gather", False)),
             link=LinkModel(**d["link"]) if d.get("link") is not None else None,
+            step_after=np.asarray(d["step_after"], dtype=np.float64) if d.get("step_after") is not None else None,
         )
     except (TypeError, ValueError) as exc:
         raise ValueError(f"malformed plan JSON: {exc}") from exc
@@ -349,21 +358,47 @@ def _imbalance(t: np.ndarray) -> float:
     return float(t.max()) / mean - 1.0 if mean > 0 else 0.0
 
 
-def rank_times(problem: PlanProblem, groups, seq_group: np.ndarray, chunks: np.ndarray, ring=None) -> np.ndarray:
-    """(S,) predicted time of each rank under a chunk table: compute / speed, plus the Ulysses
-    and ring exchanges priced by the problem's link model (the one cost function of the planner
-    and the cluster model)."""
+def rank_segments(
+    problem: PlanProblem, groups, seq_group: np.ndarray, chunks: np.ndarray, ring=None
+) -> tuple[list[np.ndarray], np.ndarray]:
+    """Each rank's predicted time per layer under a chunk table, by the segments its exchanges
+    cut a layer into (:mod:`knapformer.plan.sync`): ([linear work, attention with the ring's
+    exposed exchanges, the Ulysses exchanges], route and reverse per layer) — compute / speed,
+    exchanges priced by the problem's link model (the one cost function of the planner and the
+    cluster model). Their sum is the rank's busy time."""
     model = problem.model
-    t = rank_features(problem.index, groups, seq_group, chunks, ring, model.causal).cost(model) / problem.speed
+    f = rank_features(problem.index, groups, seq_group, chunks, ring, model.causal)
+    coef = dict(zip((t.name for t in COST_TERMS), coefficients(model)))
+    attn = f.attn * coef["attn"] / problem.speed
+    linear = f.cost(model) / problem.speed - attn
+    S = problem.num_ranks
+    uly, route = np.zeros(S), np.zeros(S)
     if problem.link is not None:
         link = problem.link
         if link.sync_jitter and seq_group.size:  # members wait for the slowest of their largest group
-            t = t * (1.0 + link.sync_jitter * jitter_factor(largest_group(groups, seq_group, problem.num_ranks)))
+            jitter = 1.0 + link.sync_jitter * jitter_factor(largest_group(groups, seq_group, problem.num_ranks))
+            linear, attn = linear * jitter, attn * jitter
         comm = comm_features(problem.index, groups, seq_group, chunks, model, link.gpus_per_node, ring)
-        per_layer = ulysses_seconds(comm, link) + route_seconds(comm, link) / model.num_layers
-        per_layer = per_layer + ring_seconds(comm, link, model, problem.speed, gather=problem.kv_gather)
-        t = t + per_layer * link.units_per_second
-    return t
+        ups = link.units_per_second
+        uly = ulysses_seconds(comm, link) * ups
+        route = route_seconds(comm, link) / model.num_layers * ups
+        attn = attn + ring_seconds(comm, link, model, problem.speed, gather=problem.kv_gather) * ups
+    return [linear, attn, uly], route
+
+
+def rank_times(problem: PlanProblem, groups, seq_group: np.ndarray, chunks: np.ndarray, ring=None) -> np.ndarray:
+    """(S,) predicted busy time of each rank under a chunk table: compute / speed, plus the
+    Ulysses, ring and route exchanges (:func:`rank_segments` summed)."""
+    segments, route = rank_segments(problem, groups, seq_group, chunks, ring)
+    return sum(segments) + route
+
+
+def step_times(problem: PlanProblem, groups, seq_group: np.ndarray, chunks: np.ndarray, ring=None):
+    """((S,) busy time, (S,) finish time) of each rank: the finish time adds what it waits at
+    its exchanges for the slowest rank of its synchronised set (:mod:`knapformer.plan.sync`)."""
+    segments, route = rank_segments(problem, groups, seq_group, chunks, ring)
+    sets = sync_sets(groups, seq_group, problem.num_ranks)
+    return sum(segments) + route, synced_times(sets, segments, route)
 
 
 def build_plan(
@@ -379,7 +414,7 @@ def build_plan(
         ring = tuple(of_size[len(g)] for g in groups)
     ring = tuple(int(r) for r in ring) if any(r != 1 for r in ring) else None
     chunks = chunk_table(problem.index, groups, seq_group, ring)
-    time_after = rank_times(problem, groups, seq_group, chunks, ring)
+    time_after, step_after = step_times(problem, groups, seq_group, chunks, ring)
     moved = int(chunks[chunks[:, SRC] != chunks[:, DST], LEN].sum())
     plan = Plan(
         seq_lens=problem.seq_lens,
@@ -388,6 +423,7 @@ def build_plan(
         chunks=chunks,
         time_before=problem.time_before,
         time_after=time_after,
+        step_after=step_after,
         lower_bound=problem.lower_bound,
         tokens_moved=moved,
         plan_seconds=plan_seconds,

@@ -2,9 +2,10 @@
 
 Before attention every member of a k-rank group needs all L tokens of the group's sequences
 for its h/k query heads (and its kv heads); after attention each member's output heads go
-back to the tokens' owners. One ``all_to_all_single`` per direction moves every group's rows
-at once: the exchange is 1-D with splits in elements, because rows of different degrees
-(h/k heads) and of q, k, v (fewer kv heads under GQA) have different widths.
+back to the tokens' owners. One exchange per direction (:mod:`..exchange`: point-to-point with
+the members of this rank's groups, nobody else) moves every group's rows at once: it is 1-D
+with counts in elements, because rows of different degrees (h/k heads) and of q, k, v (fewer
+kv heads under GQA) have different widths. A rank in no multi-rank group exchanges nothing.
 
 ============================  ==============================  =================================
 function                      input                           output
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from knapformer.distributed.ops import all_to_all, permute_rows
+from knapformer.distributed.ops import move, permute_rows
 from knapformer.distributed.spec import GroupEntry, RouteSpec
 from knapformer.distributed.ulysses.layout import UlyssesLayout, heads_error, ulysses_layout
 
@@ -80,7 +81,7 @@ class _Pack(torch.autograd.Function):
         ctx.layout, ctx.lo, ctx.replicated = layout, lo, replicated
         ctx.shapes = [t.shape for t in (q, k, v)]
         tensors = (q, k, v)
-        buf = q.new_empty(sum(layout.pre_send))
+        buf = q.new_empty(layout.pre_peers.num_send)
         for t, r0, r1, h0, h1, off, width, f in layout.pre_segments:  # PackSegment fields
             src = tensors[t][r0 - lo : r1 - lo, h0:h1]
             dst = _slot(buf, off, r1 - r0, width)[:, f : f + src.shape[1] * src.shape[2]]
@@ -191,8 +192,8 @@ class UlyssesCall:
     """(h, h_kv, D, Dv) of this layer."""
     anchor: torch.Tensor | None
     """An empty tensor that hangs off the pre-attention exchange in the autograd graph (None
-    when the plan has no multi-rank group): a rank with nothing to send back still joins the
-    backward exchanges through it. Not a view: holding the receive buffer itself would keep a
+    when this rank is in no multi-rank group): a rank with nothing to send back still runs the
+    backward exchanges its peers are in through it. Not a view: holding the receive buffer itself would keep a
     whole layer's q, k, v alive until post attention."""
     pairs: list | None = None
     """The custom-kernel form's pair indices, once computed (:mod:`.pairs`)."""
@@ -201,16 +202,22 @@ class UlyssesCall:
     kv_token: torch.Tensor | None = None
     """After a K/V gather (``pre_attn`` under a ring plan): the empty token of its exchange,
     joined to the kernel's output so that every rank runs the gather's backward."""
+    skip: frozenset = frozenset()
+    """Peers left out of this call's exchanges (their call differed: :meth:`StepChecks.peer_check
+    <knapformer.distributed.checks.StepChecks.peer_check>`); their rows are zeros."""
 
 
-def pre_attn_batches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: RouteSpec, group=None) -> UlyssesCall:
+def pre_attn_batches(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: RouteSpec, group=None, skip: frozenset = frozenset()
+) -> UlyssesCall:
     """Routed q (R, h, D), k (R, h_kv, D), v (R, h_kv, Dv) -> the attention batches of this rank:
-    its single-rank sequences (views, no copy), then one batch per multi-rank degree."""
+    its single-rank sequences (views, no copy), then one batch per multi-rank degree. ``skip``:
+    peers left out of the exchanges (their rows are zeros)."""
     heads = (q.shape[1], k.shape[1], q.shape[2], v.shape[2])
     h, h_kv, d, dv = heads
     lay = ulysses_layout(spec, h, h_kv, d, dv) if spec.has_ulysses else None  # checks the heads on first use
     idx = spec.indices_on(q.device)
-    if not spec.has_ulysses:  # nothing of the plan needs an exchange: every row is run alone
+    if not spec.has_ulysses:  # this rank is in no multi-rank group: every row is run alone, no exchange
         local = AttnBatch(1, q, k, v, idx["local_cu_seqlens"], max(spec.local_seq_lens, default=0))
         return UlyssesCall([local], heads, None, dtype=v.dtype)
     n1, R = spec.local_tokens, q.shape[0]
@@ -227,7 +234,7 @@ def pre_attn_batches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Ro
         send = torch.cat([_by_member(t, lay.one_group[0], index) for t in (qm, km, vm)], dim=-1).view(-1)
     else:
         send = _Pack.apply(lay, n1, lay.replicated, qm, km, vm)
-    recv = all_to_all(send, lay.pre_send, lay.pre_recv, group, "pre_attn")
+    recv = move(send, lay.pre_peers.without(skip), group, "pre_attn")
     if lay.degrees:
         idx = lay.indices_on(q.device)
         rows = recv.view(-1, lay.pre_rows)
@@ -241,7 +248,7 @@ def pre_attn_batches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Ro
             qs, ks, vs = torch.split(part.view(-1, w), [hq * d, hkv * d, hkv * dv], dim=1)
             qs, ks, vs = qs.unflatten(1, (hq, d)), ks.unflatten(1, (hkv, d)), vs.unflatten(1, (hkv, dv))
             batches.append(AttnBatch(deg, qs, ks, vs, cu, mx, spec.entries[ring] if ring >= 0 else None))
-    return UlyssesCall(batches, heads, recv[:0].clone(), dtype=v.dtype)
+    return UlyssesCall(batches, heads, recv[:0].clone(), dtype=v.dtype, skip=skip)
 
 
 def post_attn_batches(call: UlyssesCall, outs: list[torch.Tensor], spec: RouteSpec, group=None) -> torch.Tensor:
@@ -258,12 +265,12 @@ def post_attn_batches(call: UlyssesCall, outs: list[torch.Tensor], spec: RouteSp
     elif multi:
         idx = lay.indices_on(multi[0].device)
         xs = [o.reshape(-1, lay.post_rows) for o in multi]
-        send = _ScatterRows.apply(sum(lay.post_send) // lay.post_rows, len(xs), *xs, *idx.scatters).reshape(-1)
+        send = _ScatterRows.apply(lay.post_peers.num_send // lay.post_rows, len(xs), *xs, *idx.scatters).reshape(-1)
     else:
         # nothing to send back; the empty buffer still hangs off the pre exchange so that this
         # rank joins both backward exchanges the other ranks are in
         send = call.anchor.to(outs[0].dtype) if outs else call.anchor
-    recv = all_to_all(send, lay.post_send, lay.post_recv, group, "post_attn")
+    recv = move(send, lay.post_peers.without(call.skip), group, "post_attn")
     n1 = spec.local_tokens
     shape = (spec.num_routed - n1, h, dv)
     if lay.one_group is not None:  # plain views and one copy; autograd needs no custom step

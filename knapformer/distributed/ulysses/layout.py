@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from knapformer.attention.bounds import to_device, upload
+from knapformer.distributed.exchange import Peers
 from knapformer.distributed.spec import ChunkInfo, RouteSpec, concat_ranges
 
 __all__ = [
@@ -141,15 +142,15 @@ class UlyssesLayout:
     """Per batch: the entry (index into the spec's entries) of a ring batch, -1 otherwise."""
     widths: tuple[tuple[int, int, int], ...]
     """Per batch: (query heads, kv heads, elements per token in the pre exchange) — of u = k/r."""
-    pre_send: list[int]
-    pre_recv: list[int]
+    pre_peers: Peers
+    """The pre-attention exchange (elements to and from each peer of this rank's groups)."""
     pre_segments: tuple[PackSegment, ...]
     pre_rows: int
     """Granularity (elements) of the received buffer's gather (gcd of the slot widths)."""
     pre_gather: tuple[np.ndarray, ...]
     """Per batch: received rows (of ``pre_rows`` elements) in attention order."""
-    post_send: list[int]
-    post_recv: list[int]
+    post_peers: Peers
+    """The post-attention exchange."""
     post_rows: int
     post_scatter: tuple[np.ndarray, ...]
     """Per batch: rows (of ``post_rows`` elements) of the send buffer, in attention order."""
@@ -184,7 +185,7 @@ class UlyssesLayout:
         if key not in self._device_cache:
             gathers = [torch.from_numpy(a) for a in self.pre_gather]
             scatters = [torch.from_numpy(a) for a in self.post_scatter]
-            full = len(gathers) == 1 and self.pre_rows and gathers[0].numel() == sum(self.pre_recv) // self.pre_rows
+            full = len(gathers) == 1 and self.pre_rows and gathers[0].numel() == self.pre_peers.num_recv // self.pre_rows
             self._device_cache[key] = LayoutIndices(  # built on the host, uploaded without a sync
                 gathers=[to_device(g, device) for g in gathers],
                 gather_inverse=to_device(torch.argsort(gathers[0]), device) if full else None,
@@ -217,7 +218,7 @@ def _kinds(multi) -> list[tuple[int, int, tuple[int, ...]]]:
 
 
 def _build(spec: RouteSpec, h: int, h_kv: int, d: int, dv: int) -> UlyssesLayout:
-    S = spec.num_ranks
+    rank = spec.rank
     multi = [(i, e) for i, e in enumerate(spec.entries) if e.degree > 1]
     kinds = _kinds(multi)
 
@@ -230,19 +231,21 @@ def _build(spec: RouteSpec, h: int, h_kv: int, d: int, dv: int) -> UlyssesLayout
     W = {u: widths(u) for u in us}  # pre exchange: q | k | v heads of one member, per token
     Wo = {u: W[u][0] * dv for u in us}  # post exchange: that member's output heads, per token
 
-    def slots(width: dict, tokens) -> tuple[list[int], dict]:
+    members = sorted({m for _, e in multi for m in e.sub})  # every peer of an exchange, ascending
+
+    def slots(width: dict, tokens) -> tuple[list[tuple[int, int]], dict]:
         """Per peer (ascending): my entries whose sub-group contains it (entry order),
-        ``tokens(peer, i, e)`` rows of ``width[u]`` each. Returns the split sizes and each
-        slot's offset."""
-        splits, offset, off = [0] * S, {}, 0
-        for peer in range(S):
+        ``tokens(peer, i, e)`` rows of ``width[u]`` each. Returns the peers' element counts
+        and each slot's offset (O(members): never a loop over the whole group)."""
+        parts, offset, off = [], {}, 0
+        for peer in members:
             start = off
             for i, e in multi:
                 if peer in e.sub:
                     offset[(peer, i)] = off
                     off += tokens(peer, i, e) * width[e.u]
-            splits[peer] = off - start
-        return splits, offset
+            parts.append((peer, off - start))
+        return parts, offset
 
     mine = lambda peer, i, e: e.hi - e.lo  # noqa: E731  (I send all my rows of an entry to each member)
     theirs = lambda peer, i, e: spec.peer_tokens[(peer, i)]  # noqa: E731
@@ -251,6 +254,8 @@ def _build(spec: RouteSpec, h: int, h_kv: int, d: int, dv: int) -> UlyssesLayout
     pre_recv, pre_recv_off = slots(Wi, theirs)
     post_send, post_send_off = slots(Wo, theirs)
     post_recv, post_recv_off = slots(Wo, mine)
+    pre_peers = Peers.from_parts(pre_send, pre_recv, rank)
+    post_peers = Peers.from_parts(post_send, post_recv, rank)
     pre_segments, post_segments = [], []
     for (peer, i), off in pre_send_off.items():
         e = spec.entries[i]
@@ -305,13 +310,11 @@ def _build(spec: RouteSpec, h: int, h_kv: int, d: int, dv: int) -> UlyssesLayout
         rings=tuple(spec.entries[ents[0]].ring for _, _, ents in kinds),
         ring_entries=tuple(ents[0] if spec.entries[ents[0]].ring > 1 else -1 for _, _, ents in kinds),
         widths=tuple(W[u] for _, u, _ in kinds),
-        pre_send=pre_send,
-        pre_recv=pre_recv,
+        pre_peers=pre_peers,
         pre_segments=tuple(pre_segments),
         pre_rows=g_in,
         pre_gather=tuple(gathers),
-        post_send=post_send,
-        post_recv=post_recv,
+        post_peers=post_peers,
         post_rows=g_out,
         post_scatter=tuple(scatters),
         post_segments=tuple(post_segments),

@@ -1,0 +1,234 @@
+"""Emulated cluster: does a step take what its plan predicts, at 8–32 ranks on 2 cores?
+
+    python benchmarks/emulated_cluster.py [--ranks 8 16 32] [--steps 3] [--layers 4]
+        [--step-seconds 2.0] [--mix realistic] [--model diffusers-flux-dev]
+        [--baseline-ref REF] [--out runs/bench/emulated_cluster.json]
+
+Every rank is a real gloo process and every exchange is real (route, the Ulysses exchanges
+of ``pre_attn``/``post_attn``, the K/V gather of ring groups, reverse, and their backward
+passes, on small tensors). The compute is replaced by sleeps of the seconds the cost model
+predicts for that rank, so sleeping ranks do not compete for the 2 cores and the
+synchronisation structure is what the measurement shows:
+
+- each layer sleeps the rank's linear work before ``pre_attn`` (a third forward, two thirds in
+  the backward, through an autograd function that sleeps in both), and its attention work
+  inside the kernel ``pre_attn`` hands it (the same split);
+- the steps are the first ``--steps`` steps of a manifest (``--mix``, the realistic mix by
+  default) tokenised for ``--model`` and dealt by the token-budget sampler to as many ranks
+  as the run has (65,536 tokens per rank), lengths divided by 16 and the quadratic cost
+  multiplied by 16 (the same cost shape on small tensors); the cost is the model's own FLOP
+  form, scaled so that the largest static step takes about ``--step-seconds``;
+- each layout (``auto`` and the static Ulysses layouts g1 … g8) runs one warm-up step (the
+  first step of a kind agrees at every call) and then each step, planned in the parent
+  process by the code under test and executed with ``use_plan``;
+- measured = from a barrier before ``route`` to the last rank's end of ``backward``;
+  predicted = ``Plan.makespan`` × layers, in the same seconds.
+
+``--baseline-ref`` (a git commit, e.g. the one before the exchanges became point-to-point)
+runs the same script on that commit's code first (a ``git worktree`` in a temporary
+folder), so one run prints before and after side by side: its executor and its planner's
+prediction (which priced no waiting). Writes JSON next to the printed table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+SCALE = 16
+"""Lengths ÷ SCALE and the quadratic cost × SCALE: the same cost shape on small tensors."""
+H, D = 24, 2
+"""Heads (Flux's 24) and a tiny head dim: the exchanges are real but small."""
+
+
+# -- the rank's side ---------------------------------------------------------------------------
+def _sleeper():
+    import torch
+
+    class Sleep(torch.autograd.Function):
+        """Identity that sleeps ``fwd`` seconds in the forward and ``bwd`` in the backward."""
+
+        @staticmethod
+        def forward(ctx, x, fwd: float, bwd: float):  # type: ignore[override]
+            ctx.bwd = bwd
+            if fwd > 0:
+                time.sleep(fwd)
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):  # type: ignore[override]
+            if ctx.bwd > 0:
+                time.sleep(ctx.bwd)
+            return grad, None, None
+
+    return Sleep
+
+
+def run_rank(rank: int, world: int, layouts: dict, layers: int, sec_per_unit: float, coef: tuple) -> dict:
+    """One rank: for each layout, a warm-up step and the measured steps (module docstring)."""
+    import torch
+    import torch.distributed as dist
+
+    from knapformer import SequenceBalancer, WorkloadModel
+
+    torch.set_num_threads(1)
+    Sleep = _sleeper()
+    lin_c, quad_c, seq_c = coef
+    clock = dist.new_group(backend="gloo")  # barrier and timings, apart from the balancer's groups
+    model = WorkloadModel(d_model=H * D, num_heads=H)
+    out: dict = {}
+    for name, plans in layouts.items():
+        bal = SequenceBalancer(f"g1n{world}", model, link="free")
+        times = []
+        for i, plan in enumerate([plans[0], *plans]):  # the first: warm-up (its kind's first step)
+            bal.use_plan(plan)
+            f = plan.features()
+            lin = float(f.tokens[rank] * lin_c + f.seqs[rank] * seq_c) * sec_per_unit
+            att = float(f.attn[rank] * quad_c) * sec_per_unit
+            T = sum(plan.seq_lens[rank])
+            x = torch.zeros(T, H * D, requires_grad=True)
+            dist.barrier(group=clock)
+            t0 = time.perf_counter()
+            h = bal.route(x)
+            for _ in range(layers):
+                h = Sleep.apply(h, lin / 3, 2 * lin / 3)
+                q = h.view(-1, H, D)
+                args = bal.pre_attn(q, q, q, causal=False)
+                o = Sleep.apply(args.q * 1.0, att / 3, 2 * att / 3)  # the kernel: q itself, after its sleep
+                h = h + bal.post_attn(o).reshape(h.shape)
+            bal.reverse_route(h).sum().backward()
+            t1 = time.perf_counter()
+            row = torch.tensor([t0, t1], dtype=torch.float64)
+            rows = [torch.empty_like(row) for _ in range(world)]
+            dist.all_gather(rows, row, group=clock)
+            if i:
+                table = torch.stack(rows)
+                times.append(float(table[:, 1].max() - table[:, 0].min()))
+        out[name] = times
+    return out
+
+
+# -- the parent's side -------------------------------------------------------------------------
+def _steps(mix: str, model: str, ranks: int, steps: int) -> list[list[list[int]]]:
+    from realistic_mix import steps_of
+
+    dealt, _ = steps_of(mix, model, ranks, steps)
+    return [[[max(1, n // SCALE) for n in r] for r in step] for step in dealt]
+
+
+def measure(ranks: int, args) -> list[dict]:
+    """Plan every step of every layout with this process's code, run them, one row per layout."""
+    from knapformer import WorkloadModel
+    from knapformer.cluster import ModelShape
+    from knapformer.integrations.registry import model_config
+    from knapformer.plan import plan_sequences
+    from knapformer.testing import run_distributed
+
+    shape = ModelShape.from_config(model_config(args.model))
+    flop = shape.workload()
+    # the model's FLOP form, the quadratic term × SCALE (lengths ÷ SCALE): fwd+bwd per layer
+    coef = (flop.linear_coef, flop.quad_coef * SCALE, flop.per_seq_coef)
+    cost = WorkloadModel(d_model=H * D, num_heads=H, linear=coef[0], quadratic=coef[1], per_seq=coef[2])
+    steps = _steps(args.mix, args.model, ranks, args.steps)
+    static = [f"g{k}n{ranks // k}" for k in (1, 2, 4, 8) if ranks % k == 0 and H % k == 0]
+    layouts = {name: [plan_sequences(lens, name, cost) for lens in steps] for name in ["auto", *static]}
+    # seconds per cost unit: the slowest static step takes about --step-seconds
+    slowest = max(p.makespan for name in static for p in layouts[name])
+    sec_per_unit = args.step_seconds / (slowest * args.layers)
+    res = run_distributed(run_rank, ranks, layouts, args.layers, sec_per_unit, coef, timeout=1800)
+    rows = []
+    for name, plans in layouts.items():
+        measured = res[0][name]
+        predicted = [p.makespan * sec_per_unit * args.layers for p in plans]
+        ratios = [m / p for m, p in zip(measured, predicted)]
+        rows.append(
+            {
+                "ranks": ranks,
+                "layout": name,
+                "measured_s": statistics.mean(measured),
+                "predicted_s": statistics.mean(predicted),
+                "measured/predicted_worst": max(ratios),
+                "measured/predicted_mean": statistics.mean(ratios),
+                "per_step_measured_s": measured,
+                "per_step_predicted_s": predicted,
+            }
+        )
+    best = min((r for r in rows if r["layout"] != "auto"), key=lambda r: r["measured_s"])
+    for r in rows:
+        r["vs_best_static_measured"] = r["measured_s"] / best["measured_s"]
+        r["best_static"] = best["layout"]
+    return rows
+
+
+def _baseline(ref: str, argv: list[str]) -> list[dict]:
+    """The same measurement on commit ``ref``'s code (a temporary git worktree)."""
+    root = HERE.parent
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "baseline"
+        subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", str(tree), ref], check=True)
+        try:
+            out = Path(tmp) / "baseline.json"
+            env = {**os.environ, "PYTHONPATH": str(tree)}
+            cmd = [sys.executable, str(HERE / "emulated_cluster.py"), *argv, "--out", str(out), "--no-baseline"]
+            subprocess.run(cmd, check=True, env=env)
+            return json.loads(out.read_text())["rows"]
+        finally:
+            subprocess.run(["git", "-C", str(root), "worktree", "remove", "--force", str(tree)], check=False)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 32])
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--step-seconds", type=float, default=2.0)
+    p.add_argument("--mix", default="realistic")
+    p.add_argument("--model", default="diffusers-flux-dev")
+    p.add_argument("--baseline-ref", default=None, help="a git commit to measure first, on its own code")
+    p.add_argument("--no-baseline", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", default="runs/bench/emulated_cluster.json")
+    args = p.parse_args()
+    own = [a for a in sys.argv[1:] if a not in ("--no-baseline",)]
+    if "--out" in own:
+        i = own.index("--out")
+        del own[i : i + 2]
+    if "--baseline-ref" in own:
+        i = own.index("--baseline-ref")
+        del own[i : i + 2]
+    before = _baseline(args.baseline_ref, own) if args.baseline_ref and not args.no_baseline else []
+    rows = [r for n in args.ranks for r in measure(n, args)]
+    for r in before:
+        r["code"] = f"before ({args.baseline_ref})"
+    for r in rows:
+        r["code"] = "after"
+    cols = [
+        ("code", "s"),
+        ("ranks", "d"),
+        ("layout", "s"),
+        ("measured_s", ".3f"),
+        ("predicted_s", ".3f"),
+        ("measured/predicted_worst", ".3f"),
+        ("measured/predicted_mean", ".3f"),
+        ("vs_best_static_measured", ".3f"),
+        ("best_static", "s"),
+    ]
+    from _common import print_table, write_json
+
+    print_table(before + rows, cols)
+    write_json(args.out, before + rows, args=vars(args))
+
+
+if __name__ == "__main__":
+    main()
