@@ -224,11 +224,58 @@ def _post(x: torch.Tensor, out: torch.Tensor, peers: Peers, group, phase: str, t
         out.narrow(0, r, n).copy_(x.narrow(0, s, n))
     if not peers.moves:
         return _DONE
+    if x.device.type != "cpu" and _staged(group, x.device.type):
+        return _post_staged(x, out, peers, group, phase, tag)
     ranks = global_ranks(group)
     ops = [dist.P2POp(dist.irecv, out.narrow(0, o, c), ranks[p], group, tag) for p, o, c in peers.recv]
     ops += [dist.P2POp(dist.isend, x.narrow(0, o, c), ranks[p], group, tag) for p, o, c in peers.send]
     works = lifetime.collective(lambda: dist.batch_isend_irecv(ops), (x, out), phase, group)
     return Pending(works or (), phase, group, (x, out))
+
+
+_STAGED: dict = {}
+
+
+def _staged(group, device_type: str) -> bool:
+    """``group`` moves ``device_type`` tensors with gloo, whose point-to-point reads host
+    memory only (its collectives stage device tensors themselves; send/recv do not)."""
+    key = (id(group), device_type)
+    if key not in _STAGED:
+        from knapformer.distributed.backends import device_backends
+
+        _STAGED[key] = device_backends(group).get(device_type, "gloo") == "gloo"
+    return _STAGED[key]
+
+
+class _Staged(Pending):
+    """A device exchange through host copies (gloo): the received rows go to the device at
+    :meth:`wait`."""
+
+    __slots__ = ("_host", "_out", "_holes")
+
+    def __init__(self, works, phase, group, keep, host, out, holes) -> None:
+        super().__init__(works, phase, group, keep)
+        self._host, self._out, self._holes = host, out, holes
+
+    def wait(self) -> None:
+        super().wait()
+        host, self._host = self._host, None
+        if host is not None:
+            for _, o, c in self._holes:
+                self._out.narrow(0, o, c).copy_(host.narrow(0, o, c))
+
+
+def _post_staged(x, out, peers: Peers, group, phase: str, tag: int) -> Pending:
+    """What gloo's own collectives do with device tensors, done here for its send/recv: copy
+    to the host and back (blocking copies: a gloo job on a GPU, e.g. several ranks sharing
+    one, pays them in every exchange, as it did in gloo's all-to-all)."""
+    host_x = torch.empty(x.shape, dtype=x.dtype).copy_(x)
+    host_out = torch.empty((out.shape[0], *out.shape[1:]), dtype=out.dtype)
+    ranks = global_ranks(group)
+    ops = [dist.P2POp(dist.irecv, host_out.narrow(0, o, c), ranks[p], group, tag) for p, o, c in peers.recv]
+    ops += [dist.P2POp(dist.isend, host_x.narrow(0, o, c), ranks[p], group, tag) for p, o, c in peers.send]
+    works = lifetime.collective(lambda: dist.batch_isend_irecv(ops), (host_x, host_out), phase, group)
+    return _Staged(works or (), phase, group, (host_x, host_out), host_out, out, peers.recv)
 
 
 def _checked(x: torch.Tensor, peers: Peers, phase: str) -> torch.Tensor:
