@@ -11,8 +11,11 @@ predicts for that rank, so sleeping ranks do not compete for the 2 cores and the
 synchronisation structure is what the measurement shows:
 
 - each layer sleeps the rank's linear work before ``pre_attn`` (a third forward, two thirds in
-  the backward, through an autograd function that sleeps in both), and its attention work
-  inside the kernel ``pre_attn`` hands it (the same split);
+  the backward, through an autograd function that sleeps in both), its attention work (with a
+  ring's exposed exchanges) inside the kernel ``pre_attn`` hands it (the same split), and the
+  seconds ``h100`` links price its Ulysses exchanges beside the exchanges themselves (route's
+  at route and reverse); the plans are made with those links (``auto`` then keeps short
+  sequences whole beside its groups, as on a cluster);
 - the steps are the first ``--steps`` steps of a manifest (``--mix``, the realistic mix by
   default) tokenised for ``--model`` and dealt by the token-budget sampler to as many ranks
   as the run has (65,536 tokens per rank), lengths divided by 32 and the quadratic cost
@@ -24,9 +27,12 @@ synchronisation structure is what the measurement shows:
   first step of a kind agrees at every call) and then each step, planned in the parent
   process by the code under test and executed with ``use_plan``;
 - measured = from a barrier before ``route`` to the last rank's end of ``backward``;
-  predicted = ``Plan.makespan`` × layers, in the same seconds; ``no_sleep_s`` = the same step
-  with every sleep 0 (what this machine's exchanges and host work cost: the prediction has no
-  term for them, so it bounds how close the ratio can get to 1 here).
+  predicted = ``Plan.makespan`` × layers, in the same seconds (each version's own: before this
+  change the planner priced no waiting); ``whole_group_s`` = what the plan takes if every rank
+  waits for the slowest rank of the whole group at every exchange (the sum over a layer's
+  segments of the group's maximum: the executor before point-to-point); ``no_sleep_s`` = the
+  same step with every sleep 0 (what this machine's exchanges and host work cost: the
+  prediction has no term for them, so it bounds how close the ratio can get to 1 here).
 
 ``--baseline-ref`` (a git commit, e.g. the one before the exchanges became point-to-point)
 runs the same script on that commit's code first (a ``git worktree`` in a temporary
@@ -80,8 +86,10 @@ def _sleeper():
     return Sleep
 
 
-def run_rank(rank: int, world: int, layouts: dict, layers: int, sec_per_unit: float, coef: tuple) -> dict:
-    """One rank: for each layout, a warm-up step and the measured steps (module docstring)."""
+def run_rank(rank: int, world: int, layouts: dict, layers: int) -> dict:
+    """One rank: for each layout, a warm-up step and the measured steps (module docstring).
+    ``layouts``: name -> [(plan, (S, 4) seconds per layer of linear work, attention, Ulysses
+    exchanges, route) per step]."""
     import torch
     import torch.distributed as dist
 
@@ -89,33 +97,32 @@ def run_rank(rank: int, world: int, layouts: dict, layers: int, sec_per_unit: fl
 
     torch.set_num_threads(1)
     Sleep = _sleeper()
-    lin_c, quad_c, seq_c = coef
     clock = dist.new_group(backend="gloo")  # barrier and timings, apart from the balancer's groups
     model = WorkloadModel(d_model=H * D, num_heads=H)
     out: dict = {}
-    for name, plans in layouts.items():
+    for name, steps in layouts.items():
         bal = SequenceBalancer(f"g1n{world}", model, link="free")
         times, bare = [], []
         # the first: warm-up (its kind's first step agrees at every call); then each step twice:
         # without sleeps (what the exchanges and the host cost on this machine), then measured
-        runs = [(plans[0], 0.0, None)] + [(p, scale, out) for p in plans for scale, out in ((0.0, bare), (1.0, times))]
-        for plan, scale, into in runs:
+        runs = [(*steps[0], 0.0, None)]
+        runs += [(*st, scale, into) for st in steps for scale, into in ((0.0, bare), (1.0, times))]
+        for plan, seconds, scale, into in runs:
             bal.use_plan(plan)
-            f = plan.features()
-            lin = float(f.tokens[rank] * lin_c + f.seqs[rank] * seq_c) * sec_per_unit * scale
-            att = float(f.attn[rank] * quad_c) * sec_per_unit * scale
-            T = sum(plan.seq_lens[rank])
-            x = torch.zeros(T, H * D, dtype=torch.bfloat16, requires_grad=True)
+            lin, att, uly, route = (float(v) * scale for v in seconds[rank])
+            x = torch.zeros(sum(plan.seq_lens[rank]), H * D, dtype=torch.bfloat16, requires_grad=True)
             dist.barrier(group=clock)
             t0 = time.perf_counter()
-            h = bal.route(x)
+            h = bal.route(Sleep.apply(x, route / 4, route / 4))  # route's 4 exchanges: 2 here, 2 at reverse
             for _ in range(layers):
-                h = Sleep.apply(h, lin / 3, 2 * lin / 3)
+                h = Sleep.apply(h, lin / 3, 2 * lin / 3)  # linear work: a third forward, the rest backward
                 q = h.view(-1, H, D)
                 args = bal.pre_attn(q, q, q, causal=False)
-                o = Sleep.apply(args.q * 1.0, att / 3, 2 * att / 3)  # the kernel: q itself, after its sleep
-                h = h + bal.post_attn(o).reshape(h.shape)
-            bal.reverse_route(h).sum().backward()
+                kernel_in = Sleep.apply(args.q * 1.0, uly / 4, uly / 4)  # the pre exchange's time (fwd, bwd)
+                o = Sleep.apply(kernel_in, att / 3, 2 * att / 3)  # the kernel: q itself, after its sleep
+                h = h + Sleep.apply(bal.post_attn(o), uly / 4, uly / 4).reshape(h.shape)  # the post exchange's
+            y = bal.reverse_route(Sleep.apply(h, route / 4, route / 4))
+            y.float().sum().backward()
             t1 = time.perf_counter()
             row = torch.tensor([t0, t1], dtype=torch.float64)
             rows = [torch.empty_like(row) for _ in range(world)]
@@ -135,30 +142,62 @@ def _steps(mix: str, model: str, ranks: int, steps: int) -> list[list[list[int]]
     return [[[max(1, n // SCALE) for n in r] for r in step] for step in dealt]
 
 
+def _seconds(plan, cost, link) -> np.ndarray:
+    """(S, 4) planner units per layer of each rank's linear work, attention (with the ring's
+    exposed exchanges), Ulysses exchanges and route: the cost functions every version of the
+    planner prices a plan with (``knapformer.plan.cost``)."""
+    from knapformer.plan.cost import comm_features, ring_seconds, route_seconds, ulysses_seconds
+
+    f = plan.features()
+    att = f.attn * cost.quad_coef
+    lin = f.cost(cost) - att
+    comm = comm_features(plan.index, plan.groups, plan.seq_group, plan.chunks, cost, link.gpus_per_node, plan.ring)
+    ups = link.units_per_second
+    uly = ulysses_seconds(comm, link) * ups
+    route = route_seconds(comm, link) / cost.num_layers * ups
+    att = att + ring_seconds(comm, link, cost, 1.0, gather=True) * ups  # the pre_attn path gathers K/V
+    return np.stack([lin, att, uly, route], axis=1)
+
+
+def _whole_group(seconds: np.ndarray) -> float:
+    """The step if every rank waited for the slowest of the whole group at every exchange (the
+    executor before point-to-point): per layer, the sum over segments of the group's maximum."""
+    return float(seconds[:, :3].max(axis=0).sum() + seconds[:, 3].max())
+
+
 def measure(ranks: int, args) -> list[dict]:
     """Plan every step of every layout with this process's code, run them, one row per layout."""
-    from knapformer import WorkloadModel
-    from knapformer.cluster import ModelShape
+    import dataclasses
+
+    from knapformer.cluster import ModelShape, hardware
     from knapformer.integrations.registry import model_config
     from knapformer.plan import plan_sequences
     from knapformer.testing import run_distributed
 
     shape = ModelShape.from_config(model_config(args.model))
+    hw = hardware("h100")
     flop = shape.workload()
-    # the model's FLOP form, the quadratic term × SCALE (lengths ÷ SCALE): fwd+bwd per layer
-    coef = (flop.linear_coef, flop.quad_coef * SCALE, flop.per_seq_coef)
-    cost = WorkloadModel(d_model=H * D, num_heads=H, linear=coef[0], quadratic=coef[1], per_seq=coef[2])
+    # the model's own FLOP form, the quadratic term × SCALE (lengths ÷ SCALE); h100 links price the
+    # exchanges (without sync jitter: the sleeps have none)
+    cost = dataclasses.replace(flop, quadratic=flop.quad_coef * SCALE)
+    link = dataclasses.replace(hw.link(shape, units_per_second=hw.flop_units_per_second), sync_jitter=0.0)
     steps = _steps(args.mix, args.model, ranks, args.steps)
     static = [f"g{k}n{ranks // k}" for k in (4, 8) if ranks % k == 0 and H % k == 0]
-    layouts = {name: [plan_sequences(lens, name, cost) for lens in steps] for name in ["auto", *static]}
-    # seconds per cost unit: auto's steps take about --step-seconds on average
-    mean_auto = statistics.mean(p.makespan for p in layouts["auto"])
-    sec_per_unit = args.step_seconds / (mean_auto * args.layers)
-    res = run_distributed(run_rank, ranks, layouts, args.layers, sec_per_unit, coef, timeout=1800)
+    plans = {
+        name: [plan_sequences(lens, name, cost, link=link, kv_gather=True) for lens in steps]
+        for name in ["auto", *static]
+    }
+    seconds = {name: [_seconds(p, cost, link) for p in ps] for name, ps in plans.items()}
+    # seconds per planner unit: auto's steps take about --step-seconds on average
+    mean_auto = statistics.mean(p.makespan for p in plans["auto"])
+    spu = args.step_seconds / (mean_auto * args.layers)
+    layouts = {name: [(p, sec * spu) for p, sec in zip(plans[name], seconds[name])] for name in plans}
+    res = run_distributed(run_rank, ranks, layouts, args.layers, timeout=3600)
     rows = []
-    for name, plans in layouts.items():
+    for name, ps in plans.items():
         measured, bare = res[0][name]
-        predicted = [p.makespan * sec_per_unit * args.layers for p in plans]
+        predicted = [p.makespan * spu * args.layers for p in ps]
+        whole = [_whole_group(sec) * spu * args.layers for sec in seconds[name]]
         ratios = [m / p for m, p in zip(measured, predicted)]
         rows.append(
             {
@@ -168,6 +207,7 @@ def measure(ranks: int, args) -> list[dict]:
                 "predicted_s": statistics.mean(predicted),
                 "measured/predicted_worst": max(ratios),
                 "measured/predicted_mean": statistics.mean(ratios),
+                "whole_group_s": statistics.mean(whole),
                 "no_sleep_s": statistics.mean(bare),
                 "per_step_measured_s": measured,
                 "per_step_predicted_s": predicted,
@@ -229,6 +269,7 @@ def main() -> None:
         ("predicted_s", ".3f"),
         ("measured/predicted_worst", ".3f"),
         ("measured/predicted_mean", ".3f"),
+        ("whole_group_s", ".3f"),
         ("no_sleep_s", ".3f"),
         ("vs_best_static_measured", ".3f"),
         ("best_static", "s"),

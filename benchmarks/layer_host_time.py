@@ -31,9 +31,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import print_table, write_json  # noqa: E402
-
 import torch  # noqa: E402
+from _common import print_table, write_json  # noqa: E402
 
 H, D = 24, 1
 
@@ -118,13 +117,14 @@ def main() -> None:
     p.add_argument("--out", default="runs/bench/layer_host_time.json")
     args = p.parse_args()
 
+    from realistic_mix import steps_of
+
     import knapformer.distributed.balancer as balancer_module
     import knapformer.distributed.checks as checks
     import knapformer.distributed.exchange as exchange
     from knapformer.cluster import ModelShape, hardware
     from knapformer.integrations.registry import model_config
     from knapformer.plan import plan_sequences
-    from realistic_mix import steps_of
 
     torch.set_num_threads(1)
 

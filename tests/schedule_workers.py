@@ -212,8 +212,20 @@ def expected_errors() -> dict:
         "pre_attn bad rows": (BalancerInputError, ["plan: bad input on rank(s) [{last}]", "pre_attn on"]),
         "post_attn bad output": (BalancerInputError, ["plan: bad input on rank(s) [0]", "post_attn got"]),
         "pre_attn bad heads": (BalancerInputError, ["bad input on rank(s) [1]", "where every rank made pre_attn"]),
-        "attention skipped layer": (DivergentCallError, ["ranks made different calls on rank(s) [1]", "a layer skipped"]),
-        "pre_attn skipped layer": (DivergentCallError, ["ranks made different calls on rank(s) [1]", "a layer skipped"]),
-        "attention extra layer": (DivergentCallError, ["different calls on rank(s) [0]", "where every rank made reverse_route"]),
-        "pre_attn extra layer": (DivergentCallError, ["different calls on rank(s) [0]", "where every rank made reverse_route"]),
+        "attention skipped layer": (
+            DivergentCallError,
+            ["ranks made different calls on rank(s) [1]", "a layer skipped"],
+        ),
+        "pre_attn skipped layer": (
+            DivergentCallError,
+            ["ranks made different calls on rank(s) [1]", "a layer skipped"],
+        ),
+        "attention extra layer": (
+            DivergentCallError,
+            ["different calls on rank(s) [0]", "where every rank made reverse_route"],
+        ),
+        "pre_attn extra layer": (
+            DivergentCallError,
+            ["different calls on rank(s) [0]", "where every rank made reverse_route"],
+        ),
     }

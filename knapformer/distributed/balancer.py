@@ -666,7 +666,9 @@ class SequenceBalancer:
         if entry == SKIP:  # a call beyond the schedule: no exchange (its error is deferred)
             self._call = self._expected = None
             _, spec = self._require_spec()
-            shape = mine or ((spec.num_routed, call.heads[0], call.heads[3]) if call is not None else (spec.num_routed, 1, 1))
+            shape = mine or (
+                (spec.num_routed, call.heads[0], call.heads[3]) if call is not None else (spec.num_routed, 1, 1)
+            )
             dtype = o.dtype if isinstance(o, torch.Tensor) and o.is_floating_point() else torch.float32
             return _tie(torch.zeros(shape, dtype=dtype, device=self._data_device), o)
         if entry is None and error:  # a scheduled segment (an agreed call raised already)

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from knapformer.distributed.agree import Call, digest_of, agree, describe_parts, signature
+from knapformer.distributed.agree import Call, agree, describe_parts, digest_of, signature
 from knapformer.distributed.exchange import handshake
 from knapformer.errors import BalancerInputError
 

@@ -84,7 +84,9 @@ def _route_context(bal: _Balancer, plan, spec, context: torch.Tensor, lens: list
     ones, peers = _sizes_route(plan, spec)
     first = int(plan.index.first[spec.rank])
     local = np.asarray(lens, dtype=np.int64)
-    got = exchange(torch.from_numpy(local[ones.send_rows]), peers.without(skip), bal._checks.control, "route_context sizes")
+    got = exchange(
+        torch.from_numpy(local[ones.send_rows]), peers.without(skip), bal._checks.control, "route_context sizes"
+    )
     ctx_lens = np.zeros(plan.index.num_seqs, dtype=np.int64)
     ctx_lens[first : first + local.size] = local
     ctx_lens[ones.seq_ids] = got.numpy()  # a left-out peer's sequences: 0 rows

@@ -108,9 +108,7 @@ class Peers:
         return cls(tuple(send), tuple(recv), (local[0], local[1], local[2]), num_send, off)
 
     @classmethod
-    def from_parts(
-        cls, send: Sequence[tuple[int, int]], recv: Sequence[tuple[int, int]], rank: int
-    ) -> Peers:
+    def from_parts(cls, send: Sequence[tuple[int, int]], recv: Sequence[tuple[int, int]], rank: int) -> Peers:
         """From ``(peer, count)`` pairs in buffer order: a peer's parts are consecutive (they
         become one message), this rank's own part is the kept one; O(peers)."""
         sides = []

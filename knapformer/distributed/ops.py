@@ -142,9 +142,7 @@ def route(tensors: Sequence[torch.Tensor], spec: RouteSpec, group=None, skip=fro
     )
 
 
-def reverse_route(
-    tensors: Sequence[torch.Tensor], spec: RouteSpec, group=None, skip=frozenset()
-) -> list[torch.Tensor]:
+def reverse_route(tensors: Sequence[torch.Tensor], spec: RouteSpec, group=None, skip=frozenset()) -> list[torch.Tensor]:
     """Routed order -> local order for each tensor (R, *F) -> (T, *F); inverse of :func:`route`."""
     if not spec.routes:
         return list(tensors)

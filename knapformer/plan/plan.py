@@ -44,7 +44,6 @@ from knapformer.plan.chunks import chunk_table, slot_arrays, zigzag_slots
 from knapformer.plan.cost import LinkModel, comm_features, jitter_factor, ring_seconds, route_seconds, ulysses_seconds
 from knapformer.plan.memory import gathered_memory
 from knapformer.plan.problem import PlanProblem, moldable_lower_bound
-from knapformer.plan.sync import sync_sets, synced_times
 from knapformer.plan.seqindex import (
     DST,
     IDX,
@@ -56,6 +55,7 @@ from knapformer.plan.seqindex import (
     spread_over_groups,
     sum_by,
 )
+from knapformer.plan.sync import sync_sets, synced_times
 from knapformer.plan.validate import InvalidPlanError, check_plan
 from knapformer.workload import WorkloadModel
 

@@ -185,7 +185,9 @@ class UlyssesLayout:
         if key not in self._device_cache:
             gathers = [torch.from_numpy(a) for a in self.pre_gather]
             scatters = [torch.from_numpy(a) for a in self.post_scatter]
-            full = len(gathers) == 1 and self.pre_rows and gathers[0].numel() == self.pre_peers.num_recv // self.pre_rows
+            full = (
+                len(gathers) == 1 and self.pre_rows and gathers[0].numel() == self.pre_peers.num_recv // self.pre_rows
+            )
             self._device_cache[key] = LayoutIndices(  # built on the host, uploaded without a sync
                 gathers=[to_device(g, device) for g in gathers],
                 gather_inverse=to_device(torch.argsort(gathers[0]), device) if full else None,
