@@ -99,7 +99,9 @@ def run_rank(rank: int, world: int, layouts: dict, layers: int) -> dict:
     Sleep = _sleeper()
     clock = dist.new_group(backend="gloo")  # barrier and timings, apart from the balancer's groups
     model = WorkloadModel(d_model=H * D, num_heads=H)
-    out: dict = {}
+    import knapformer
+
+    out: dict = {"knapformer": knapformer.__file__}
     for name, steps in layouts.items():
         bal = SequenceBalancer(f"g1n{world}", model, link="free")
         times, bare = [], []
@@ -193,6 +195,10 @@ def measure(ranks: int, args) -> list[dict]:
     spu = args.step_seconds / (mean_auto * args.layers)
     layouts = {name: [(p, sec * spu) for p, sec in zip(plans[name], seconds[name])] for name in plans}
     res = run_distributed(run_rank, ranks, layouts, args.layers, timeout=3600)
+    import knapformer
+
+    if res[0]["knapformer"] != knapformer.__file__:  # the ranks must run the code that planned
+        raise RuntimeError(f"the ranks imported {res[0]['knapformer']}, the planner {knapformer.__file__}")
     rows = []
     for name, ps in plans.items():
         measured, bare = res[0][name]
@@ -230,7 +236,9 @@ def _baseline(ref: str, argv: list[str]) -> list[dict]:
             out = Path(tmp) / "baseline.json"
             env = {**os.environ, "PYTHONPATH": str(tree)}
             cmd = [sys.executable, str(HERE / "emulated_cluster.py"), *argv, "--out", str(out), "--no-baseline"]
-            subprocess.run(cmd, check=True, env=env)
+            # run from the worktree: the ranks' process server puts its working folder first on its
+            # path, and would import this checkout's knapformer from here
+            subprocess.run(cmd, check=True, env=env, cwd=tree)
             return json.loads(out.read_text())["rows"]
         finally:
             subprocess.run(["git", "-C", str(root), "worktree", "remove", "--force", str(tree)], check=False)

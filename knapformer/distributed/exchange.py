@@ -154,21 +154,6 @@ class Peers:
             True,
         )
 
-    def scaled(self, width: int) -> Peers:
-        """Each row as ``width`` elements (a flat buffer of rows of that width)."""
-        if width == 1:
-            return self
-        w = int(width)
-        s, r, n = self.local
-        return Peers(
-            tuple((p, o * w, c * w) for p, o, c in self.send),
-            tuple((p, o * w, c * w) for p, o, c in self.recv),
-            (s * w, r * w, n * w),
-            self.num_send * w,
-            self.num_recv * w,
-            self.holes,
-        )
-
     @property
     def peers(self) -> frozenset[int]:
         """Every other rank this exchange moves data with."""

@@ -11,9 +11,10 @@ in the cost model's units on its device.
 
 1. nodes: every rank's host name (ranks on one host share a node; ``gpus_per_node`` is the
    most ranks on one host);
-2. per peer class (same node; other node), one tiny all-to-all (its time is the latency) and
-   one of ``PROBE_BYTES`` per peer (bandwidth: the extra bytes over the extra time), each the
-   median of three timed repeats after a warm-up, on the device the data will use;
+2. per peer class (same node; other node), one tiny exchange with every peer of the class (its
+   time is the latency) and one of ``PROBE_BYTES`` per peer (bandwidth: the extra bytes over
+   the extra time), each the median of three timed repeats after a warm-up, on the device the
+   data will use — the balancer's own point-to-point exchange (:mod:`.exchange`);
 3. what a second is worth in the cost model's units: 1 for a model in seconds (a calibrated
    profile); for the paper's FLOP-like form, a matmul of the model's width timed on the device,
    its FLOP/s divided by 3 (a unit is one forward FLOP of a layer; training runs forward +
@@ -35,8 +36,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-import knapformer.distributed.lifetime as lifetime
 from knapformer.distributed.agree import gather_ints, gather_text
+from knapformer.distributed.exchange import TAGS, Peers, exchange
 from knapformer.plan.cost import LinkModel
 from knapformer.workload import WorkloadModel
 
@@ -52,16 +53,15 @@ def _sync(device: torch.device) -> None:
 
 
 def _timed_exchange(group, send_split: list[int], recv_split: list[int], device, repeats: int = 3) -> float:
-    """Median seconds of an all-to-all of float32 values with these splits (after a warm-up)."""
+    """Median seconds of an exchange of float32 values with these splits (after a warm-up):
+    the balancer's own exchange primitive, point-to-point with the peers of the class."""
     x = torch.zeros(sum(send_split), dtype=torch.float32, device=device)
-    y = torch.empty(sum(recv_split), dtype=torch.float32, device=device)
+    peers = Peers.from_splits(send_split, recv_split, dist.get_rank(group))
 
     def once() -> float:
         _sync(device)
         t = time.perf_counter()
-        lifetime.collective(
-            lambda: dist.all_to_all_single(y, x, recv_split, send_split, group=group), (x, y), "link probe", group
-        )
+        exchange(x, peers, group, "link probe", tag=TAGS["probe"])
         _sync(device)
         return time.perf_counter() - t
 
