@@ -1,21 +1,21 @@
 """Emulated cluster: does a step take what its plan predicts, at 8–32 ranks on 2 cores?
 
-    python benchmarks/emulated_cluster.py [--ranks 8 16 32] [--steps 3] [--layers 1]
+    python benchmarks/emulated_cluster.py [--ranks 8 16 32] [--steps 3] [--repeats 3] [--layers 1]
         [--step-seconds 12] [--mix realistic] [--model diffusers-flux-dev]
         [--baseline-ref REF] [--out runs/bench/emulated_cluster.json]
 
-Every rank is a real gloo process and every exchange is real (route, the Ulysses exchanges
-of ``pre_attn``/``post_attn``, the K/V gather of ring groups, reverse, and their backward
-passes, on small tensors). The compute is replaced by sleeps of the seconds the cost model
-predicts for that rank, so sleeping ranks do not compete for the 2 cores and the
+Every rank is a real gloo process and every exchange is real (route, the Ulysses exchanges of
+``attention``, reverse, and their backward passes, on small tensors). The compute is replaced
+by sleeps of the seconds the cost model predicts for that rank, so sleeping ranks do not
+compete for the 2 cores and the
 synchronisation structure is what the measurement shows:
 
-- each layer sleeps the rank's linear work before ``pre_attn`` (a third forward, two thirds in
-  the backward, through an autograd function that sleeps in both), its attention work (with a
-  ring's exposed exchanges) inside the kernel ``pre_attn`` hands it (the same split), and the
-  seconds ``h100`` links price its Ulysses exchanges beside the exchanges themselves (route's
-  at route and reverse); the plans are made with those links (``auto`` then keeps short
-  sequences whole beside its groups, as on a cluster);
+- each layer sleeps the rank's linear work before ``attention`` (a third forward, two thirds
+  in the backward, through an autograd function that sleeps in both), its attention work in
+  the attention kernel (the same split; the kernel is replaced by the sleep), and the seconds
+  ``h100`` links price its Ulysses exchanges beside the exchanges themselves (route's at route
+  and reverse); the plans are made with those links (``auto`` then keeps short sequences whole
+  beside its groups, as on a cluster; no plan here needs a ring);
 - the steps are the first ``--steps`` steps of a manifest (``--mix``, the realistic mix by
   default) tokenised for ``--model`` and dealt by the token-budget sampler to as many ranks
   as the run has (65,536 tokens per rank), lengths divided by 32 and the quadratic cost
@@ -26,7 +26,8 @@ synchronisation structure is what the measurement shows:
   these steps: g1 and g2 take 2–4× longer, 16 ranks do not divide Flux's 24 heads) runs one warm-up step (the
   first step of a kind agrees at every call) and then each step, planned in the parent
   process by the code under test and executed with ``use_plan``;
-- measured = from a barrier before ``route`` to the last rank's end of ``backward``;
+- measured = from a barrier before ``route`` to the last rank's end of ``backward``, the median
+  of ``--repeats`` runs of the step;
   predicted = ``Plan.makespan`` × layers, in the same seconds (each version's own: before this
   change the planner priced no waiting); ``whole_group_s`` = what the plan takes if every rank
   waits for the slowest rank of the whole group at every exchange (the sum over a layer's
@@ -86,7 +87,7 @@ def _sleeper():
     return Sleep
 
 
-def run_rank(rank: int, world: int, layouts: dict, layers: int) -> dict:
+def run_rank(rank: int, world: int, layouts: dict, layers: int, repeats: int) -> dict:
     """One rank: for each layout, a warm-up step and the measured steps (module docstring).
     ``layouts``: name -> [(plan, (S, 4) seconds per layer of linear work, attention, Ulysses
     exchanges, route) per step]."""
@@ -100,7 +101,16 @@ def run_rank(rank: int, world: int, layouts: dict, layers: int) -> dict:
     clock = dist.new_group(backend="gloo")  # barrier and timings, apart from the balancer's groups
     model = WorkloadModel(d_model=H * D, num_heads=H)
     import knapformer
+    import knapformer.distributed.balancer as balancer_module
 
+    budget = [0.0, 0.0]  # the attention kernel's sleep of this layer (forward, backward): its first call takes it
+
+    def kernel(q, k, v, cu_seqlens, max_len, causal=False, backend="auto"):
+        fwd, bwd = budget
+        budget[0] = budget[1] = 0.0
+        return Sleep.apply(q * 1.0, fwd, bwd)  # the output: q itself, after its sleep
+
+    balancer_module.varlen_attention = kernel  # what `attention` runs per degree on this rank
     out: dict = {"knapformer": knapformer.__file__}
     for name, steps in layouts.items():
         bal = SequenceBalancer(f"g1n{world}", model, link="free")
@@ -108,7 +118,10 @@ def run_rank(rank: int, world: int, layouts: dict, layers: int) -> dict:
         # the first: warm-up (its kind's first step agrees at every call); then each step twice:
         # without sleeps (what the exchanges and the host cost on this machine), then measured
         runs = [(*steps[0], 0.0, None)]
-        runs += [(*st, scale, into) for st in steps for scale, into in ((0.0, bare), (1.0, times))]
+        for i, st in enumerate(steps):
+            times.append([])
+            bare.append([])
+            runs += [(*st, scale, into[i]) for _ in range(repeats) for scale, into in ((0.0, bare), (1.0, times))]
         for plan, seconds, scale, into in runs:
             bal.use_plan(plan)
             lin, att, uly, route = (float(v) * scale for v in seconds[rank])
@@ -119,10 +132,10 @@ def run_rank(rank: int, world: int, layouts: dict, layers: int) -> dict:
             for _ in range(layers):
                 h = Sleep.apply(h, lin / 3, 2 * lin / 3)  # linear work: a third forward, the rest backward
                 q = h.view(-1, H, D)
-                args = bal.pre_attn(q, q, q, causal=False)
-                kernel_in = Sleep.apply(args.q * 1.0, uly / 4, uly / 4)  # the pre exchange's time (fwd, bwd)
-                o = Sleep.apply(kernel_in, att / 3, 2 * att / 3)  # the kernel: q itself, after its sleep
-                h = h + Sleep.apply(bal.post_attn(o), uly / 4, uly / 4).reshape(h.shape)  # the post exchange's
+                # attention (a third forward) after the pre exchange's time, in the kernel; then the post's
+                budget[:] = [att / 3 + uly / 4, 2 * att / 3 + uly / 4]
+                o = bal.attention(q, q, q)
+                h = h + Sleep.apply(o, uly / 4, uly / 4).reshape(h.shape)
             y = bal.reverse_route(Sleep.apply(h, route / 4, route / 4))
             y.float().sum().backward()
             t1 = time.perf_counter()
@@ -132,7 +145,7 @@ def run_rank(rank: int, world: int, layouts: dict, layers: int) -> dict:
             if into is not None:
                 table = torch.stack(rows)
                 into.append(float(table[:, 1].max() - table[:, 0].min()))
-        out[name] = (times, bare)
+        out[name] = ([statistics.median(t) for t in times], [statistics.median(b) for b in bare])
     return out
 
 
@@ -157,7 +170,7 @@ def _seconds(plan, cost, link) -> np.ndarray:
     ups = link.units_per_second
     uly = ulysses_seconds(comm, link) * ups
     route = route_seconds(comm, link) / cost.num_layers * ups
-    att = att + ring_seconds(comm, link, cost, 1.0, gather=True) * ups  # the pre_attn path gathers K/V
+    att = att + ring_seconds(comm, link, cost, 1.0) * ups
     return np.stack([lin, att, uly, route], axis=1)
 
 
@@ -185,16 +198,16 @@ def measure(ranks: int, args) -> list[dict]:
     link = dataclasses.replace(hw.link(shape, units_per_second=hw.flop_units_per_second), sync_jitter=0.0)
     steps = _steps(args.mix, args.model, ranks, args.steps)
     static = [f"g{k}n{ranks // k}" for k in (4, 8) if ranks % k == 0 and H % k == 0]
-    plans = {
-        name: [plan_sequences(lens, name, cost, link=link, kv_gather=True) for lens in steps]
-        for name in ["auto", *static]
-    }
+    plans = {name: [plan_sequences(lens, name, cost, link=link) for lens in steps] for name in ["auto", *static]}
+    for name, ps in plans.items():  # the ranks sleep in `attention`'s kernel calls: a ring's blocks run elsewhere
+        if any(p.ring is not None for p in ps):
+            raise ValueError(f"{name} plans ring groups at {ranks} ranks: this emulation sleeps only Ulysses attention")
     seconds = {name: [_seconds(p, cost, link) for p in ps] for name, ps in plans.items()}
     # seconds per planner unit: auto's steps take about --step-seconds on average
     mean_auto = statistics.mean(p.makespan for p in plans["auto"])
     spu = args.step_seconds / (mean_auto * args.layers)
     layouts = {name: [(p, sec * spu) for p, sec in zip(plans[name], seconds[name])] for name in plans}
-    res = run_distributed(run_rank, ranks, layouts, args.layers, timeout=3600)
+    res = run_distributed(run_rank, ranks, layouts, args.layers, args.repeats, timeout=3600)
     import knapformer
 
     if res[0]["knapformer"] != knapformer.__file__:  # the ranks must run the code that planned
@@ -248,6 +261,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 32])
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="runs of each step; its median counts")
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--step-seconds", type=float, default=12.0)
     p.add_argument("--mix", default="realistic")
