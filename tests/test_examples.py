@@ -54,6 +54,17 @@ def test_sampler_example_trains_two_epochs_on_two_ranks():
     assert steps and "epoch 1 step 0: global mean loss" in proc.stdout, proc.stdout[-1000:]
 
 
+def test_sharded_example_reads_parquet_shards_and_matches_per_sample_math():
+    """examples/sharded_train.py (docs/data.md): samples in Parquet shards read by DataLoader
+    workers, windowed token-budget batches from memory-mapped lengths, balanced on 2 ranks: the
+    gradients equal per-sample math in fp64."""
+    pytest.importorskip("pyarrow", reason="Parquet shards need pyarrow (pip install 'knapformer[parquet]')")
+    proc = _torchrun("sharded_train.py", 2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    errors = [float(x) for x in re.findall(r"gradient error vs per-sample math ([0-9.e+-]+\d)", proc.stdout)]
+    assert len(errors) >= 3 and max(errors) < 1e-10, proc.stdout
+
+
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_own_dit_matches_per_sample_math_in_fp64(ranks):
     """examples/own_dit.py (docs/own_model.md): the FSDP2-sharded, balanced steps, with a rank

@@ -205,3 +205,60 @@ def test_loaders_put_one_batch_per_group_on_its_first_gpu(capsys, monkeypatch):
     assert doc["rows"][1]["bags"] == "g8n8" and doc["rows"][0]["max_tokens"] == max(max(s)[0] for s in dealt)
     assert main([*args, "--loaders", "6"]) == 2
     assert "--loaders 6 does not divide the 64 GPUs" in capsys.readouterr().err
+
+
+def test_a_sharded_manifest_gives_the_lengths_and_buckets_of_the_whole_table(tmp_path, capsys):
+    """``knapformer manifest --shards``: the shards together are the manifest, their lengths
+    memory-mapped equal the one-table computation, a latent grid gets one bucket key in every
+    shard, and the sampler deals them window by window."""
+    pytest.importorskip("pyarrow")
+    from knapformer.data import ShardedManifest, TokenBudgetBatchSampler, read_manifest
+    from knapformer.data.shards import bucket_keys
+
+    out = tmp_path / "m"
+    assert main(["manifest", "--mix", "realistic", "--samples", "3000", "--shards", "4", "--out", str(out)]) == 0
+    assert "in 4 shards" in capsys.readouterr().out
+    sm = ShardedManifest(out)
+    assert len(sm) == 3000 and sm.num_shards == 4
+    tok = tokenizer_for_model("diffusers-wan-14b")
+    lens, buckets = sm.seq_lens(tok)
+    assert isinstance(lens, np.memmap) and lens.dtype == np.int32
+    parts = [read_manifest(out / f) for f in sm.index.files]
+    whole = np.concatenate([manifest_seq_lens(p, tok)[0] for p in parts])
+    assert np.array_equal(np.asarray(lens), whole)
+    grids = np.concatenate([np.stack(tok.latent_grid(p.width, p.height, p.frames, p.fps), 1) for p in parts])
+    assert np.array_equal(np.asarray(buckets), bucket_keys(grids[:, 0], grids[:, 1], grids[:, 2]))
+    again = ShardedManifest(out).seq_lens(tok)[0]  # the second time: the files, mapped
+    assert np.array_equal(np.asarray(again), whole)
+    s = TokenBudgetBatchSampler(
+        lens, 65_536, buckets=buckets, num_replicas=4, rank=1, window=700, block=50, oversize="alone"
+    )
+    seen = [i for step in s.steps() for b in step for i in b]
+    assert s.windowed and sorted(seen) == list(range(3000))
+    for step in s.steps():
+        for b in step:
+            assert len({int(buckets[i]) for i in b}) <= 1
+    assert main(["manifest", "--samples", "3", "--shards", "5", "--out", str(tmp_path / "bad")]) == 2
+    assert "more than --samples" in capsys.readouterr().err
+
+
+def test_parquet_shards_read_rows_by_index_and_map_columns(tmp_path):
+    pytest.importorskip("pyarrow")
+    import pickle
+
+    from knapformer.data import ParquetShards, write_shards
+
+    rows = [{"x": i, "blob": bytes([i % 256]) * (i % 5), "name": f"s{i}"} for i in range(53)]
+    ds = write_shards(tmp_path, rows, rows_per_shard=10, note="test")
+    assert len(ds) == 53 and len(ds.index.files) == 6 and ds.index.meta["note"] == "test"
+    for i in (0, 9, 10, 52, -1):
+        assert ds[i] == rows[i]
+    assert ds.locate(25) == (2, 5)
+    with pytest.raises(IndexError):
+        ds[53]
+    col = ds.column("x", np.int32)
+    assert isinstance(col, np.memmap) and col.tolist() == list(range(53))
+    clone = pickle.loads(pickle.dumps(ds))  # a DataLoader worker's copy opens its own shard
+    assert clone._open is None and clone[31] == rows[31]
+    with pytest.raises(ValueError, match="no index.json"):
+        ParquetShards(tmp_path / "nowhere")

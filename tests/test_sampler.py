@@ -16,6 +16,8 @@ from torch.utils.data import DataLoader, Dataset
 from knapformer.data import PackedCollate, TokenBudgetBatchSampler, pack_batches
 
 lengths_st = st.lists(st.integers(1, 300), min_size=0, max_size=120)
+WINDOWED = {"window": 16, "block": 4}
+"""Small windows and blocks: the epoch dealt window by window, as for a dataset of millions."""
 
 
 def _all_ranks(lengths, world, **kw):
@@ -34,12 +36,16 @@ def _all_ranks(lengths, world, **kw):
     drop_last=st.booleans(),
     seed=st.integers(0, 3),
     epoch=st.integers(0, 3),
+    windowed=st.booleans(),
 )
 def test_every_sample_once_budgets_kept_and_equal_steps(
-    lengths, world, budget, max_samples, nbuckets, shuffle, drop_last, seed, epoch
+    lengths, world, budget, max_samples, nbuckets, shuffle, drop_last, seed, epoch, windowed
 ):
     buckets = None if nbuckets == 0 else [n % nbuckets for n in lengths]
+    if windowed and buckets is not None:
+        buckets = np.asarray(buckets, dtype=np.int64)  # a large dataset's buckets: an integer array
     kw = dict(max_tokens=budget, max_samples=max_samples, buckets=buckets, shuffle=shuffle, drop_last=drop_last)
+    kw.update(WINDOWED if windowed else {})
     samplers, _ = _all_ranks(lengths, world, seed=seed, **kw)
     for s in samplers:
         s.set_epoch(epoch)
@@ -73,15 +79,22 @@ def test_empty_batches_only_when_nothing_can_split():
 
 
 @settings(max_examples=60, deadline=None)
-@given(lengths=lengths_st, world=st.integers(1, 4), cut=st.integers(0, 50), seed=st.integers(0, 5))
-def test_resume_mid_epoch_yields_the_remaining_batches_exactly(lengths, world, cut, seed):
+@given(
+    lengths=lengths_st,
+    world=st.integers(1, 4),
+    cut=st.integers(0, 50),
+    seed=st.integers(0, 5),
+    windowed=st.booleans(),
+)
+def test_resume_mid_epoch_yields_the_remaining_batches_exactly(lengths, world, cut, seed, windowed):
+    kw = WINDOWED if windowed else {}
     for rank in range(world):
-        a = TokenBudgetBatchSampler(lengths, 500, num_replicas=world, rank=rank, seed=seed)
+        a = TokenBudgetBatchSampler(lengths, 500, num_replicas=world, rank=rank, seed=seed, **kw)
         a.set_epoch(2)
         full = list(a)
         done = min(cut, len(full))
         state = json.loads(json.dumps(a.state_dict(steps_done=done)))  # survives a checkpoint file
-        b = TokenBudgetBatchSampler(lengths, 500, num_replicas=world, rank=rank, seed=seed)
+        b = TokenBudgetBatchSampler(lengths, 500, num_replicas=world, rank=rank, seed=seed, **kw)
         b.load_state_dict(state)
         assert len(b) == len(full) - done
         assert list(b) == full[done:]
@@ -98,9 +111,10 @@ def test_resume_mid_epoch_yields_the_remaining_batches_exactly(lengths, world, c
     drop_last=st.booleans(),
     shuffle=st.booleans(),
     seed=st.integers(0, 3),
+    windowed=st.booleans(),
 )
 def test_resume_on_other_numbers_of_ranks_sees_every_sample_exactly_once(
-    lengths, worlds, cuts, budget, nbuckets, drop_last, shuffle, seed
+    lengths, worlds, cuts, budget, nbuckets, drop_last, shuffle, seed, windowed
 ):
     """An epoch interrupted after some steps and resumed on another number of ranks (several
     times: W0 -> W1 -> W2 ...): over the epoch every sample is seen exactly once (at most once
@@ -109,6 +123,7 @@ def test_resume_on_other_numbers_of_ranks_sees_every_sample_exactly_once(
     whole on the new ranks."""
     buckets = None if nbuckets == 0 else [n % nbuckets for n in lengths]
     kw = dict(max_tokens=budget, buckets=buckets, drop_last=drop_last, shuffle=shuffle, seed=seed)
+    kw.update(WINDOWED if windowed else {})
     seen, state = [], None
     for w, world in enumerate(worlds):
         samplers = [TokenBudgetBatchSampler(lengths, num_replicas=world, rank=r, **kw) for r in range(world)]
@@ -129,7 +144,8 @@ def test_resume_on_other_numbers_of_ranks_sees_every_sample_exactly_once(
                 assert buckets is None or len({buckets[i] for i in b}) <= 1
         state = json.loads(json.dumps(samplers[0].state_dict(steps_done=start + done)))
         assert all(smp.state_dict(steps_done=start + done) == state for smp in samplers), "the same state everywhere"
-        assert len(json.dumps(state)) < 400, "a few numbers, not the indices"
+        # a few numbers, not the indices (windowed: and fewer batches than ranks of each pass)
+        assert len(json.dumps(state)) < (400 if not windowed else 400 + 60 * sum(worlds) * 8)
     assert len(seen) == len(set(seen)), "no sample twice in the interrupted epoch"
     if not drop_last:
         assert sorted(seen) == list(range(len(lengths))), "every sample once"
@@ -142,15 +158,17 @@ def test_resume_on_other_numbers_of_ranks_sees_every_sample_exactly_once(
     assert list(last) == list(fresh), "the next epoch is whole"
 
 
-def test_a_resized_resume_is_the_same_in_another_process():
+@pytest.mark.parametrize("window", ["", ", window=40, block=8"])
+def test_a_resized_resume_is_the_same_in_another_process(window):
     """What a resumed sampler deals is a pure function of its state (another interpreter, other
-    hash seed, gives the same batches)."""
+    hash seed, gives the same batches), whole-epoch or windowed."""
     code = (
         "import json, sys; from knapformer.data import TokenBudgetBatchSampler as T\n"
         "lens = [(i * 37) % 250 + 1 for i in range(300)]\n"
-        "a = T(lens, 700, num_replicas=4, rank=0, seed=3, buckets=[n % 3 for n in lens]); a.set_epoch(5)\n"
+        f"a = T(lens, 700, num_replicas=4, rank=0, seed=3, buckets=[n % 3 for n in lens]{window}); a.set_epoch(5)\n"
         "st = a.state_dict(steps_done=7)\n"
-        "b = T(lens, 700, num_replicas=3, rank=2, seed=3, buckets=[n % 3 for n in lens]); b.load_state_dict(st)\n"
+        f"b = T(lens, 700, num_replicas=3, rank=2, seed=3, buckets=[n % 3 for n in lens]{window})\n"
+        "b.load_state_dict(json.loads(json.dumps(st)))\n"
         "print(json.dumps(list(b)))\n"
     )
     outs = set()
@@ -379,3 +397,47 @@ def test_collate_stacks_python_numbers_into_tensors():
         ((0,), torch.bool),
     ]
     assert empty["name"] == []
+
+
+def test_millions_of_samples_windowed_exactly_once_and_resized_mid_epoch():
+    """At 2.2M samples (three windows of the default size): every sample exactly once, equal
+    steps, budgets and one bucket per batch, the first batch from one window only; a state
+    saved mid-epoch on 64 ranks resumes on 48 with no sample lost or repeated."""
+    n = 2_200_000
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(7.0, 1.2, n), 16, 65_536).astype(np.int32)
+    buckets = np.floor(np.log2(lengths)).astype(np.int8)
+    kw = dict(buckets=buckets, seed=1)
+    a = TokenBudgetBatchSampler(lengths, 65_536, num_replicas=64, rank=5, **kw)
+    assert a.windowed and len(a._window_blocks(0)) == 3
+    steps = a.steps()
+    flat = np.asarray([i for step in steps for b in step for i in b], dtype=np.int64)
+    assert flat.size == n and np.bincount(flat, minlength=n).max() == 1, "every sample exactly once"
+    assert all(len(step) == 64 for step in steps)
+    for step in steps[:: max(1, len(steps) // 50)]:
+        for b in step:
+            assert int(lengths[b].sum()) <= 65_536 and len(set(buckets[b].tolist())) <= 1
+    it = iter(a)
+    assert next(it) == steps[0][5]
+    cut = len(steps) // 2
+    state = json.loads(json.dumps(a.state_dict(steps_done=cut)))
+    b = TokenBudgetBatchSampler(lengths, 65_536, num_replicas=48, rank=0, **kw)
+    b.load_state_dict(state)
+    rest = b.steps()
+    assert all(len(step) == 48 for step in rest)
+    seen = np.concatenate(
+        [np.asarray([i for step in steps[:cut] for bb in step for i in bb], dtype=np.int64)]
+        + [np.asarray([i for step in rest for bb in step for i in bb], dtype=np.int64)]
+    )
+    assert seen.size == n and np.bincount(seen, minlength=n).max() == 1, "none lost, none repeated"
+
+
+def test_a_dataset_of_one_window_is_dealt_as_before_windows_existed():
+    """Batches and state fingerprint of 0.2.0's sampler (values it produced): checkpoints saved
+    before the windowed deal resume unchanged."""
+    lens = [(i * 37) % 250 + 1 for i in range(300)]
+    a = TokenBudgetBatchSampler(lens, 700, num_replicas=4, rank=0, seed=3, buckets=[n % 3 for n in lens])
+    a.set_epoch(5)
+    assert not a.windowed
+    assert a._fingerprint() == "630a513baeb6b8e4"
+    assert list(a)[:2] == [[147, 285, 271, 112, 63, 204, 288], [19, 97, 157, 90, 93]]

@@ -71,7 +71,8 @@ def test_the_cluster_model_adds_the_same_waits():
     hw = hardware("h100")
     shape = ModelShape(dim=3072, heads=24, layers=57)
     lens = [[65536 // 4] * 4, [4096] * 16, [2048] * 32, [30000, 30000]]
-    plan = plan_from_groups(lens, [(0, 1, 2, 3), (0,), (1,), (2,), (3,)], [0, 1, 1, 1] + [2] * 16 + [3] * 32 + [4, 4], shape.workload())
+    seq_group = [0, 1, 1, 1] + [2] * 16 + [3] * 32 + [4, 4]
+    plan = plan_from_groups(lens, [(0, 1, 2, 3), (0,), (1,), (2,), (3,)], seq_group, shape.workload())
     pred = predict_step(plan, shape, hw)
     assert np.all(pred.wait_s >= -1e-12)
     assert pred.step_s >= float((pred.rank_s - pred.wait_s).max())

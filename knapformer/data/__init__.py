@@ -3,7 +3,8 @@ with a packed collate for real datasets, and dataset manifests turned into seque
 
 Main API: :data:`MIXES`, :func:`sample_seq_lens`, :func:`sample_batches`, :func:`parse_codes`,
 :class:`TokenBudgetBatchSampler`, :func:`read_manifest`, :data:`TOKENIZERS`,
-:func:`synthetic_manifest` (numpy only); :class:`PackedCollate` and
+:func:`synthetic_manifest`, :class:`ShardedManifest` and :class:`ParquetShards` (datasets in
+Parquet shards: :mod:`knapformer.data.shards`) (numpy only; Parquet needs pyarrow); :class:`PackedCollate` and
 :func:`knapformer.data.batches.make_batch` build torch tensors (imported on use).
 """
 
@@ -20,6 +21,7 @@ from knapformer.data.codes import (
 )
 from knapformer.data.manifest import Manifest, dealt_steps, manifest_seq_lens, read_manifest, write_manifest
 from knapformer.data.sampler import TokenBudgetBatchSampler, pack_batches
+from knapformer.data.shards import ParquetShards, ShardedManifest, write_sharded_manifest, write_shards
 from knapformer.data.synthetic import MANIFEST_MIXES, synthetic_manifest
 from knapformer.data.tokenizers import TOKENIZERS, Tokenizer, tokenizer, tokenizer_for_model
 
@@ -33,6 +35,8 @@ __all__ = [
     "DataCode",
     "Manifest",
     "PackedCollate",
+    "ParquetShards",
+    "ShardedManifest",
     "TokenBudgetBatchSampler",
     "Tokenizer",
     "dealt_steps",
@@ -48,6 +52,8 @@ __all__ = [
     "tokenizer",
     "tokenizer_for_model",
     "write_manifest",
+    "write_sharded_manifest",
+    "write_shards",
 ]
 
 

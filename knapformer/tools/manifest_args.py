@@ -7,9 +7,11 @@ into sequence lengths; :class:`~knapformer.data.sampler.TokenBudgetBatchSampler`
 the GPUs at ``--budget`` tokens per GPU, one latent shape per batch (``--no-buckets``: any mix),
 and the first ``--steps`` whole steps of epoch 0 (``--seed``) are the steps planned.
 
-``knapformer manifest`` writes a synthetic manifest (:mod:`knapformer.data.synthetic`)::
+``knapformer manifest`` writes a synthetic manifest (:mod:`knapformer.data.synthetic`), or with
+``--shards`` a folder of Parquet shards (:mod:`knapformer.data.shards`)::
 
     knapformer manifest --mix realistic --samples 20000 --out realistic.csv
+    knapformer manifest --mix realistic --samples 100000000 --shards 1000 --out realistic-100m/
 """
 
 from __future__ import annotations
@@ -104,10 +106,25 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mix", default="realistic", choices=sorted(MANIFEST_MIXES), help="synthetic mix")
     p.add_argument("--samples", type=positive_int, default=20_000, help="samples to draw")
     p.add_argument("--seed", type=int, default=0, help="random seed (>= 0)")
-    p.add_argument("--out", required=True, help="output file: .csv, .jsonl or .parquet")
+    p.add_argument(
+        "--shards",
+        type=positive_int,
+        default=None,
+        help="write this many Parquet shards and their index into the folder --out (knapformer.data.shards: "
+        "drawn one shard at a time, for manifests too large for one table)",
+    )
+    p.add_argument("--out", required=True, help="output file: .csv, .jsonl or .parquet (a folder with --shards)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.shards is not None:
+        from knapformer.data.shards import write_sharded_manifest
+
+        if args.shards > args.samples:
+            raise ValueError(f"--shards {args.shards} is more than --samples {args.samples}")
+        sm = write_sharded_manifest(args.out, args.mix, args.samples, shards=args.shards, seed=args.seed)
+        print(f"wrote {sm.root} ({len(sm)} samples of mix {args.mix!r} in {sm.num_shards} shards, seed {args.seed})")
+        return 0
     m = synthetic_manifest(args.mix, args.samples, seed=args.seed)
     path = write_manifest(m, args.out)
     print(f"wrote {path} ({len(m)} samples of mix {args.mix!r}, seed {args.seed})")
