@@ -229,3 +229,77 @@ def expected_errors() -> dict:
             ["different calls on rank(s) [0]", "where every rank made reverse_route"],
         ),
     }
+
+
+def _attn(bal, h):
+    return h + bal.attention(h, h, h)
+
+
+def _pre_post(bal, h):
+    o = bal.post_attn(varlen_attention_qk(*bal.pre_attn(h, h, h)))
+    return h + (o if o.shape == h.shape else 0 * o.sum())
+
+
+def divergent_calls(rank: int, world: int) -> dict:
+    """Calls that differ on one rank from the schedule in a later step — a whole layer skipped, a
+    layer through the other attention path, a skipped ``gather_sequences`` — finish the step on
+    every rank and raise at the next ``plan``; a module unfrozen after the schedule was learned,
+    and an empty rank routing two floating dtypes, just work. Case -> outcomes of (two steps, the
+    step that differs, the next plan)."""
+    cases = {}
+    for name in ("skip_all_layers", "mixed_skip_attention", "missing_gather", "pre_instead_of_attention"):
+        bal = SequenceBalancer(f"g{world}n1", MODEL, collective_timeout_s=60.0)
+
+        def step(bad=False, name=name, bal=bal):
+            bal.plan(_lens(rank))
+            x = torch.randn(sum(_lens(rank)), H, D, dtype=torch.float64, requires_grad=True)
+            h = bal.route(x)
+            odd = bad and rank == 1
+            if name == "skip_all_layers":
+                if not odd:
+                    h = _attn(bal, _attn(bal, h))
+            elif name == "mixed_skip_attention":
+                h = _pre_post(bal, h if odd else _attn(bal, h))
+            elif name == "missing_gather":
+                c = torch.randn(len(_lens(rank)), 3, dtype=torch.float64, requires_grad=True)
+                h = _attn(bal, h)
+                if not odd:
+                    h = h + bal.gather_sequences(c)[0].sum()
+            else:
+                h = _attn(bal, _pre_post(bal, h) if odd else _attn(bal, h))
+            bal.reverse_route(h).square().sum().backward()
+
+        cases[name] = [_outcome(step), _outcome(step), _outcome(lambda: step(bad=True))]
+        cases[name].append(_outcome_any(lambda bal=bal: bal.plan(_lens(rank))))
+    bal = SequenceBalancer(f"g{world}n1", MODEL, collective_timeout_s=60.0)
+
+    def unfrozen(late=False):  # a conditioning that needed no gradient when the schedule was learned
+        lens = _lens(rank) if not (late and rank == 1) else []
+        bal.plan(lens)
+        h = bal.route(torch.randn(sum(lens), H, D, dtype=torch.float64, requires_grad=True))
+        c = torch.randn(len(lens), 3, dtype=torch.float64, requires_grad=late and rank == 0)
+        h = _attn(bal, h) + bal.gather_sequences(c)[0].sum()
+        bal.reverse_route(h).square().sum().backward()
+
+    cases["unfrozen"] = [_outcome(unfrozen), _outcome(unfrozen), _outcome(lambda: unfrozen(late=True))]
+    cases["unfrozen"].append(_outcome_any(lambda: bal.plan(_lens(rank))))
+    bal = SequenceBalancer(f"g{world}n1", MODEL, collective_timeout_s=60.0)
+    lens = [40, 7, 90] if rank == 0 else []
+
+    def two_dtypes():  # an empty rank: one leaf per dtype, each exchange's backward reached
+        bal.plan(lens)
+        x = torch.randn(sum(lens), H, D, dtype=torch.float64, requires_grad=rank == 0)
+        c = torch.randn(sum(lens), 3, dtype=torch.float32, requires_grad=rank == 0)
+        h, cc = bal.route(x, c)
+        bal.reverse_route(_attn(bal, h) + cc.double().sum()).square().sum().backward()
+
+    cases["two_dtypes"] = [_outcome(two_dtypes), _outcome(two_dtypes), _outcome(two_dtypes)]
+    return cases
+
+
+def _outcome_any(fn):
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the type is the verdict
+        return type(exc).__name__, str(exc)[:300]
+    return "ok", ""

@@ -64,3 +64,19 @@ def test_a_ring_plan_raises_a_later_layers_bad_head_dim_everywhere(results):
         assert bad == ("ok", ""), bad  # the step finishes (rank 1 and its peers leave each other out)
         assert raised[0] == "BalancerInputError" and "attention on rank 1" in raised[1], raised
         assert after == [[1, 1, 1], [0, 0, 0]], after  # after an error: one step learns again, then none
+
+
+def test_calls_that_differ_on_one_rank_finish_the_step_and_raise_at_the_next_plan():
+    """A whole layer skipped, a layer through the other attention path, a skipped
+    ``gather_sequences``: the step finishes on both ranks (the rank plays the calls it did not
+    make, in their place), the next ``plan`` raises DivergentCallError everywhere; a module
+    unfrozen after the schedule was learned and an empty rank routing two dtypes just work
+    (a regression here ends in PeerLostError after the 60 s timeout, or a gloo abort)."""
+    res = run_distributed(W.divergent_calls, 2, timeout=400)
+    for r in res:
+        for case in ("skip_all_layers", "mixed_skip_attention", "missing_gather", "pre_instead_of_attention"):
+            first, second, odd, nxt = r[case]
+            assert first == second == odd == ("ok", ""), (case, first, second, odd)
+            assert nxt[0] == "DivergentCallError" and "ranks made different calls on rank(s) [1]" in nxt[1], (case, nxt)
+        assert r["unfrozen"] == [("ok", "")] * 4, r["unfrozen"]
+        assert r["two_dtypes"] == [("ok", "")] * 3, r["two_dtypes"]

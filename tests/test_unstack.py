@@ -32,33 +32,69 @@ def longtail_step(model: str, gpus: int, index: int):
     return step, shape.workload(), HW.link(shape, units_per_second=HW.flop_units_per_second)
 
 
+def _moldable_candidates(monkeypatch) -> list:
+    """Record every moldable candidate ``auto`` builds (with ``unstack_to`` when unstacked)."""
+    seen = []
+    real = moldable._candidate
+
+    def recording(*args, **kwargs):
+        plan = real(*args, **kwargs)
+        if plan is not None:
+            seen.append((kwargs.get("unstack_to") is not None, plan))
+        return plan
+
+    monkeypatch.setattr(moldable, "_candidate", recording)
+    return seen
+
+
 def test_split_sequences_stacked_on_one_block_are_moved_apart(monkeypatch):
     """512 GPUs, Flux-dev sizes, a 970k-token clip: the greedy placement put two 300k-token
-    sequences on one 16-rank ring (1.13× the bound before a whole sequence was placed). With
-    the unstacked candidate the plan is within 5% of the bound; without it (mutation) 10% above."""
+    sequences on one 16-rank ring (1.13× the bound before a whole sequence was placed). The
+    unstacked candidate's busiest rank is within 5% of the bound; without it (mutation) every
+    candidate is 10% above.
+
+    Since the step is priced with its waits at exchanges (``Plan.makespan``: every rank waits
+    for the ranks it exchanges with), ``auto`` no longer picks that candidate here: moving the
+    split sequences apart joins more ranks into one synchronised set (1.27× the bound, against
+    1.14× for the stacked candidate ``auto`` runs). What holds either way: ``auto`` runs the
+    least step of its candidates."""
+    seen = _moldable_candidates(monkeypatch)
     lens, model, link = longtail_step("diffusers-flux-dev", 512, 0)
     plan = plan_sequences(lens, "auto", model, link=link)
     plan.validate()
-    assert plan.makespan <= 1.05 * plan.lower_bound, plan.makespan / plan.lower_bound
+    unstacked = [p for moved, p in seen if moved]
+    assert unstacked, "no unstacked candidate built"
+    busy = min(p.time_after.max() for p in unstacked)
+    assert busy <= 1.05 * plan.lower_bound, busy / plan.lower_bound
+    tol = 1 + PlanProblem(seq_lens=lens, layout="auto", model=model, link=link).options.tie_tolerance
+    assert plan.makespan <= min(p.makespan for _, p in seen) * tol
+    seen.clear()
     monkeypatch.setattr(moldable, "_UNSTACK_ABOVE", np.inf)
     stacked = plan_sequences(lens, "auto", model, link=link)
-    assert stacked.makespan > 1.10 * stacked.lower_bound, stacked.makespan / stacked.lower_bound
+    assert not any(moved for moved, _ in seen)
+    least = min(p.time_after.max() for _, p in seen)
+    assert least > 1.10 * stacked.lower_bound, least / stacked.lower_bound
 
 
-def test_a_group_wider_than_a_node_is_priced_across_nodes_by_the_bound():
+def test_a_group_wider_than_a_node_is_priced_across_nodes_by_the_bound(monkeypatch):
     """Wan-14B's 40 heads allow one Ulysses group of 40 ranks over 5 nodes; the cost model
     prices all its exchange at the slower link. The bound's busiest member was 5.5% under the
     planner's estimate there (priced at the faster link); now within the estimate's extra
     latency and copies. And the planner, offered a 6 × 8 ring on 48 ranks that costs less in
-    all, plans the step within 5% of the bound (1.064× before)."""
+    all, builds a candidate within 5% of the bound in busy time (1.064× before)."""
     lens, model, link = longtail_step("diffusers-wan-14b", 64, 1)
     problem = PlanProblem(seq_lens=lens, layout="auto", model=model, link=link)
     L = problem.lengths[[int(np.argmax(problem.lengths))]]
     per, _ = size_costs(problem, [40], L, 1.0)
     estimate = member_rows(problem, [40], L)
     assert per[0, 0] <= estimate[0, 0] and per[0, 0] >= 0.99 * estimate[0, 0], per[0, 0] / estimate[0, 0]
+    seen = _moldable_candidates(monkeypatch)
     plan = plan_sequences(lens, "auto", model, link=link)
-    assert plan.makespan <= 1.05 * plan.lower_bound, plan.makespan / plan.lower_bound
+    # busy time: what the bound bounds. The 6 × 8 rings' candidate, 1.045× busy, waits 1.135×
+    # the bound at its exchanges, and auto runs a plan of 1.076× (busy and synchronised alike)
+    busy = min(p.time_after.max() for _, p in seen)
+    assert busy <= 1.05 * plan.lower_bound, busy / plan.lower_bound
+    assert plan.makespan <= min(p.makespan for _, p in seen) * (1 + problem.options.tie_tolerance)
 
 
 def _placement(problem, costs, degree, first):

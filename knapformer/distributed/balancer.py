@@ -55,7 +55,7 @@ from knapformer.attention.varlen import varlen_attention
 from knapformer.config import BalancerConfig
 from knapformer.distributed.agree import digest62, gather_ints, gather_text, group_device
 from knapformer.distributed.backends import data_device, device_problem, uses_nccl
-from knapformer.distributed.checks import SKIP, LayerCall, StepChecks, as_lengths, attention_problem
+from knapformer.distributed.checks import SKIP, LayerCall, OnceCall, StepChecks, as_lengths, attention_problem
 from knapformer.distributed.closed_loop import ClosedLoop
 from knapformer.distributed.compiled import eager_only
 from knapformer.distributed.exchange import warm_up
@@ -557,10 +557,12 @@ class SequenceBalancer:
         skip = self._checks.peer_check(spec.layer_peers, op, values) if spec.layer_peers else frozenset()
         return ulysses.pre_attn_batches(q, k, v, spec, self.group, skip)
 
-    def _play(self, entry: LayerCall, like=()) -> torch.Tensor | VarlenArgs | None:
+    def _play(self, entry: LayerCall | OnceCall, like=()) -> torch.Tensor | VarlenArgs | None:
         """Run scheduled call ``entry`` on zeros: this rank makes the exchanges every other rank
         makes now (its own call was different, or bad; the step raises at its next agreement).
         ``like``: this rank's own tensors, whose autograd graphs the zeros join."""
+        if isinstance(entry, OnceCall):
+            return self._play_once(entry)
         _, spec = self._require_spec()
         device = next((t.device for t in _tensors(*like)), self._data_device)
         if entry.op == "post_attn":
@@ -578,6 +580,11 @@ class SequenceBalancer:
         )
         if torch.is_grad_enabled() and not q.requires_grad and q.is_floating_point():
             q = q.requires_grad_()  # a backward of its own: the peers run this call's backward exchanges
+        problem = self._plan_problem(entry.op, q.shape[1], k.shape[1], entry.causal)
+        if problem:  # this plan cannot run the scheduled heads: deferred, and the peers leave this rank out
+            self._checks.peer_check(spec.layer_peers, entry.op, (), problem, "plan")
+            self._call = None
+            return None
         if entry.op == "attention":
             return self._attention_run(self._pre_run(q, k, v, "attention", entry.causal, entry.values()), entry.causal)
         call = self._pre_run(q, k, v, "pre_attn", entry.causal, entry.values())
@@ -585,6 +592,32 @@ class SequenceBalancer:
             call = kv_gather.gather_kv(call, spec, self.group, entry.causal)
         self._call = call
         return ulysses.flatten_pairs(call)
+
+    def _play_once(self, entry: OnceCall) -> torch.Tensor | None:
+        """A scheduled ``reverse_route``/``gather_sequences``/``route_context`` this rank did not
+        make, run on zeros of the schedule's form (its peers are in its exchanges). Returns a
+        scalar hanging off what it computed (for its backward), or None."""
+        plan, spec = self._require_spec()
+        n_local = len(plan.seq_lens[self.group_rank])
+        rows = {"reverse_route": spec.num_routed}.get(entry.op, n_local)
+        zeros = [torch.zeros((rows, *shape), dtype=dtype, device=self._data_device) for dtype, shape in entry.tensors]
+        if torch.is_grad_enabled() and entry.needs:
+            for dtype in {z.dtype for z in zeros if z.is_floating_point()}:  # one leaf per exchanged dtype
+                i = next(i for i, z in enumerate(zeros) if z.dtype == dtype)
+                zeros[i] = zeros[i].requires_grad_()
+        if entry.op == "reverse_route":
+            skip = self._checks.peer_check(spec.route_peers.peers, entry.op, entry.values)
+            out = ops.reverse_route(zeros, spec, self.group, skip)
+        elif entry.op == "gather_sequences":
+            skip = self._checks.peer_check(ops.sequence_rows_peers(spec, plan).peers, entry.op, entry.values)
+            out = ops.gather_sequences(zeros, spec, plan, self.group, skip)
+        elif entry.op == "route_context":
+            skip = self._checks.peer_check(cross.context_size_peers(plan, spec), entry.op, entry.values)
+            out = [cross.route_context_rows(self, plan, spec, zeros[0], [1] * n_local, skip).rows]
+        else:  # route opens a segment (agreed): never played
+            raise AssertionError(f"a scheduled {entry.op} is not played")
+        floats = [o for o in out if o.is_floating_point() and o.requires_grad]
+        return sum((o.sum() * 0 for o in floats[1:]), floats[0].sum() * 0) if floats else None
 
     def _check_ring_path(self, op: str, plan, h: int, h_kv: int, causal: bool) -> None:
         """A ring plan runs on the attention path it was made for (``attn_path``); the
@@ -636,6 +669,7 @@ class SequenceBalancer:
             if isinstance(self._played, VarlenArgs):
                 return self._played
             z = torch.zeros(self._expected, dtype=self._expected_dtype(q), device=self._data_device)
+            z = _tie(z, q, k, v, self._played)  # what ran instead (an attention call) joins the graph
             cu = torch.tensor([0, z.shape[0]], dtype=torch.int32, device=z.device)
             return VarlenArgs(z, z, z, cu, cu, z.shape[0], z.shape[0])
         if spec.in_ring:  # with this rank's ring peers
@@ -689,9 +723,13 @@ class SequenceBalancer:
                 return out
             return _tie(torch.zeros(mine, dtype=out.dtype, device=out.device), out)
         played = self._play(entry, _tensors(o))
-        self._call = self._expected = None
+        if entry.op != "pre_attn":  # a played pre_attn leaves its call for the post_attn scheduled next
+            self._call = None
+        self._expected = None
         _, spec = self._require_spec()
-        shape = mine or (spec.num_routed, call.heads[0], call.heads[3])
+        shape = mine or (
+            (spec.num_routed, call.heads[0], call.heads[3]) if call is not None else (spec.num_routed, 1, 1)
+        )
         dtype = o.dtype if isinstance(o, torch.Tensor) and o.is_floating_point() else torch.float32
         return _tie(torch.zeros(shape, dtype=dtype, device=self._data_device), o, played)
 
@@ -755,10 +793,13 @@ def _tensors(*ts) -> list[torch.Tensor]:
 
 
 def _tie(out: torch.Tensor, *ts) -> torch.Tensor:
-    """``out`` joined to the autograd graphs of ``ts`` (added zero): a rank that runs a call
-    on zeros still runs the backward exchanges the other ranks run through theirs."""
+    """``out`` joined to the autograd graphs of ``ts`` (added zero; a played ``pre_attn``'s
+    arguments count by their tensors): a rank that runs a call on zeros still runs the backward
+    exchanges its peers run through theirs."""
     for t in ts:
-        if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point():
+        if isinstance(t, VarlenArgs):
+            out = _tie(out, t.q, t.k, t.v)
+        elif isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point():
             out = out + 0 * t.sum().to(out.dtype)
     return out
 

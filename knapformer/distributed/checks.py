@@ -162,7 +162,7 @@ class StepChecks:
         self._pending_kind = "input"
         self._plan_digest = 0
         self._plan_agreed = False
-        self.player: Callable[[LayerCall], None] | None = None
+        self.player: Callable[[LayerCall | OnceCall], object] | None = None
         self.schedules: dict[tuple, tuple] = {}
         """Segment kind -> the calls of its first clean segment (``LayerCall``/``OnceCall``)."""
         self._segment = 0
@@ -171,6 +171,8 @@ class StepChecks:
         """Calls of the open segment made so far (its schedule's index)."""
         self.agreed = True
         """The last call agreed with the whole group (else its peers check it: :meth:`peer_check`)."""
+        self.peer_needs = False
+        """The last :meth:`peer_check`: some peer's tensors need gradients."""
         self.played: list[torch.Tensor] = []
         """Outputs of scheduled calls this rank played on zeros, not yet joined to its graph."""
         self._played_pre: list[torch.Tensor] = []
@@ -272,22 +274,34 @@ class StepChecks:
         self._record.append(entry)
 
     def _play_skipped(self, op: str) -> None:
-        """Within a scheduled segment: run the per-layer calls the schedule still has before
-        this rank's call ``op`` (it skipped layers; its peers are in their exchanges)."""
-        while self._schedule is not None and not self.debug and isinstance(self._entry(), LayerCall):
+        """Within a scheduled segment: run the calls the schedule still has before this rank's
+        call ``op`` — the per-layer calls up to the next other call, and, when ``op`` is a later
+        once-per-step call of the schedule, every call before it (this rank skipped them; its
+        peers are in their exchanges)."""
+        if self._schedule is None or self.debug:
+            return
+        ahead = [e for e in self._schedule[self._at :] if isinstance(e, OnceCall)]
+        skipped_once = bool(ahead) and ahead[0].op != op and any(e.op == op for e in ahead)
+        while True:
             entry = self._entry()
+            if entry is None or (isinstance(entry, OnceCall) and (entry.op == op or not skipped_once)):
+                return
+            what = "a layer" if isinstance(entry, LayerCall) else entry.op
             self.defer(
                 f"rank {self.rank} called {op} where every rank made {entry.describe()} (call {self.index} of step "
-                f"{self.step}) in earlier steps of this kind (a layer skipped on this rank?)",
+                f"{self.step}) in earlier steps of this kind ({what} skipped on this rank?)",
                 "divergent",
             )
             self.play(entry)
 
-    def play(self, entry: LayerCall) -> None:
+    def play(self, entry: LayerCall | OnceCall) -> None:
         """Run scheduled call ``entry`` on zeros (its exchanges meet the other ranks'); what it
         returns waits in :attr:`played` until the balancer joins it to the caller's graph (so
         that its backward exchanges run, in their place among the others)."""
         self._advance(entry)
+        # a played call is checked with its peers like any call after the segment's first
+        values = entry.values() if isinstance(entry, LayerCall) else entry.values
+        self.agreed, self._scheduled_values = False, values
         assert self.player is not None, "the balancer sets StepChecks.player"
         out = self.player(entry)
         if entry.op == "post_attn":  # its output hangs off the played pre_attn's: that one is in its graph
@@ -386,7 +400,7 @@ class StepChecks:
         if opens or self._learning():
             if opens:
                 self._play_skipped(op)
-                tensors = _joined(tuple(tensors), self.take_played())
+                tensors, self.played = _joined(tuple(tensors), self.take_played())
             agreed = (*values, *mode_values()) if opens else values
             grad = torch.is_grad_enabled()
             any_needs, any_no_grad, any_grad = self._agree(op, error, agreed, "input", (needs, not grad, grad))
@@ -405,7 +419,7 @@ class StepChecks:
                 self._record.append(entry)
             return _with_grad(tuple(tensors), bool(any_needs) and not needs), None, frozenset()
         self._play_skipped(op)
-        tensors = _joined(tuple(tensors), self.take_played())
+        tensors, self.played = _joined(tuple(tensors), self.take_played())
         entry = self._entry()
         if not isinstance(entry, OnceCall) or entry.op != op:
             what = entry.describe() if entry is not None else "no further call"
@@ -417,12 +431,16 @@ class StepChecks:
             return tuple(tensors), SKIP, frozenset()
         self._advance(entry)
         self.agreed, self._scheduled_values = False, entry.values
-        skip = self.peer_check(peers, op, values, error)
+        skip = self.peer_check(peers, op, values, error, needs=needs)
         if error:
             return tuple(tensors), SKIP, skip
-        return _with_grad(tuple(tensors), entry.needs and not needs), None, skip
+        # whether a peer's tensors need gradients now (not when the schedule was learned: a module
+        # may have been frozen or unfrozen since)
+        return _with_grad(tuple(tensors), self.peer_needs and not needs), None, skip
 
-    def peer_check(self, peers, op: str, values: tuple, error: str = "", kind: str = "input") -> frozenset[int]:
+    def peer_check(
+        self, peers, op: str, values: tuple, error: str = "", kind: str = "input", needs: bool = False
+    ) -> frozenset[int]:
         """After a call that did not agree with the whole group (one of a scheduled segment):
         exchange a header — the step, the call's index, its operation and values, an error
         flag — with exactly ``peers`` (the ranks this call moves data with) and return those
@@ -430,13 +448,17 @@ class StepChecks:
         out of the call's exchanges (each sees the same difference). ``error``: this rank's own
         problem with the call (it then runs none of it; every peer leaves it out). Whatever
         differs is deferred and raised on every rank at the next rendezvous. Nothing to check
-        (an empty set) after an agreed call."""
+        (an empty set) after an agreed call. ``needs``: this rank's tensors need gradients; after
+        the call :attr:`peer_needs` says whether a peer's do (then this rank's backward must
+        reach the exchange too)."""
+        self.peer_needs = False
         if self.agreed:
             return frozenset()
         index = self.index - 1
         mine = (self.step, index, digest_of(op), digest_of(values), 1 if error else 0)
-        got = handshake(peers, mine, self.rank, self.control, f"{op} (its header)")
-        skip = frozenset(p for p, h in got.items() if h != mine)
+        got = handshake(peers, (*mine, int(needs)), self.rank, self.control, f"{op} (its header)")
+        skip = frozenset(p for p, h in got.items() if h[:5] != mine)
+        self.peer_needs = any(h[5] for p, h in got.items() if p not in skip)
         where = f"{op} on rank {self.rank} (call {index} of step {self.step})"
         if error:
             self.defer(f"{where}: {error}", kind)
@@ -465,25 +487,29 @@ def mode_values() -> tuple[tuple[str, str], ...]:
     return (("autocast", cast or "off"),)
 
 
-def _joined(tensors: tuple, played: list[torch.Tensor]) -> tuple:
+def _joined(tensors: tuple, played: list[torch.Tensor]) -> tuple[tuple, list[torch.Tensor]]:
     """``tensors`` with the played calls' outputs joined to the first floating one (an added
-    zero): their backward exchanges then run where the other ranks run those calls'."""
+    zero): their backward exchanges then run where the other ranks run those calls'. Returns
+    them and what could not be joined (no floating tensor: it waits for the next call)."""
     played = [p for p in played if p.requires_grad]
     if not played:
-        return tensors
+        return tensors, []
     for i, t in enumerate(tensors):
         if isinstance(t, torch.Tensor) and t.is_floating_point():
             for p in played:
                 t = t + 0 * p.sum().to(t.dtype)
-            return (*tensors[:i], t, *tensors[i + 1 :])
-    return tensors
+            return (*tensors[:i], t, *tensors[i + 1 :]), []
+    return tensors, played
 
 
 def _with_grad(tensors: tuple, make: bool) -> tuple:
-    """``tensors`` with the first floating one made a leaf that needs a gradient (``make``)."""
+    """``tensors`` with the first floating one of each dtype made a leaf that needs a gradient
+    (``make``): tensors of one dtype travel in one exchange, whose backward each must reach."""
     if not make:
         return tensors
-    for i, t in enumerate(tensors):
-        if isinstance(t, torch.Tensor) and t.is_floating_point():
-            return (*tensors[:i], t.detach().requires_grad_(), *tensors[i + 1 :])
-    return tensors
+    out, seen = list(tensors), set()
+    for i, t in enumerate(out):
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype not in seen:
+            seen.add(t.dtype)
+            out[i] = t.detach().requires_grad_()
+    return tuple(out)

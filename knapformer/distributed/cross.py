@@ -67,6 +67,16 @@ def route_context(bal: _Balancer, context: torch.Tensor, lens: Sequence[int]) ->
     return _route_context(bal, plan, spec, context, [int(n) for n in lens], skip)
 
 
+def context_size_peers(plan, spec) -> frozenset[int]:
+    """The ranks ``route_context`` exchanges with (owners and holders of this rank's sequences)."""
+    return _sizes_route(plan, spec)[1].peers
+
+
+def route_context_rows(bal: _Balancer, plan, spec, context: torch.Tensor, lens: list[int], skip) -> RoutedContext:
+    """``route_context``'s exchanges for given rows and lengths (a played call's zeros)."""
+    return _route_context(bal, plan, spec, context, lens, skip)
+
+
 def _sizes_route(plan, spec):
     """Which (holder, sequence) pairs this rank sends and receives a context length for (one
     value per pair), cached on the spec."""

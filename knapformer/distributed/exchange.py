@@ -61,6 +61,9 @@ TAGS = {
 forward's). NCCL ignores tags."""
 
 _BACKWARD_TAG = 32
+_PART_TAG = 64
+"""Tensors of several dtypes exchanged together travel in one exchange per dtype: the k-th adds
+k × this to its tag, so a pair's messages of two dtypes are never matched with each other."""
 
 
 @dataclass(frozen=True)
@@ -297,19 +300,21 @@ class Exchange(torch.autograd.Function):
     opposite way (``peers.reversed()``)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, peers: Peers, group, name: str) -> torch.Tensor:  # type: ignore[override]
-        ctx.peers, ctx.group, ctx.name = peers, group, name
+    def forward(ctx, x: torch.Tensor, peers: Peers, group, name: str, part: int = 0) -> torch.Tensor:  # type: ignore[override]
+        tag = _tag(name) + _PART_TAG * part
+        ctx.peers, ctx.group, ctx.name, ctx.tag = peers, group, name, tag
         import knapformer.distributed.trace as trace
 
         with trace.span(f"{trace.EXCHANGE}.{name}"):
-            return exchange(x, peers, group, name)
+            return exchange(x, peers, group, name, tag=tag)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         import knapformer.distributed.trace as trace
 
         with trace.span(f"{trace.EXCHANGE}.{ctx.name}.backward"):
-            return exchange(grad, ctx.peers.reversed(), ctx.group, f"{ctx.name} backward"), None, None, None
+            back = exchange(grad, ctx.peers.reversed(), ctx.group, f"{ctx.name} backward", tag=ctx.tag + _BACKWARD_TAG)
+            return back, None, None, None, None
 
 
 def handshake(peers: Sequence[int], header: Sequence[int], rank: int, group, phase: str) -> dict[int, tuple]:

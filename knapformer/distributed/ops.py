@@ -47,12 +47,13 @@ __all__ = [
 ]
 
 
-def move(x: torch.Tensor, peers: Peers, group, name: str) -> torch.Tensor:
+def move(x: torch.Tensor, peers: Peers, group, name: str, part: int = 0) -> torch.Tensor:
     """Differentiable exchange of the rows of ``x`` as ``peers`` says (bool as uint8);
-    ``name`` labels its profiler range (``knapformer.exchange.<name>``) and its gloo tag."""
+    ``name`` labels its profiler range (``knapformer.exchange.<name>``) and its gloo tag,
+    ``part`` tells apart the exchanges of one call's dtypes."""
     if x.dtype == torch.bool:
-        return Exchange.apply(x.view(torch.uint8), peers, group, name).view(torch.bool)
-    return Exchange.apply(x, peers, group, name)
+        return Exchange.apply(x.view(torch.uint8), peers, group, name, part).view(torch.bool)
+    return Exchange.apply(x, peers, group, name, part)
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -111,12 +112,12 @@ def _packed_exchange(
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
         by_dtype.setdefault(t.dtype, []).append(i)
-    for idx in by_dtype.values():
+    for part, idx in enumerate(by_dtype.values()):
         sent = [before(tensors[i]) for i in idx]
         widths = [s.shape[-1] for s in sent]
         packed = sent[0].contiguous() if len(sent) == 1 else torch.cat(sent, dim=-1)
         packed = rows_before(packed.reshape(math.prod(packed.shape[:-1]), sum(widths)))
-        moved = rows_after(move(packed, peers, group, name))
+        moved = rows_after(move(packed, peers, group, name, part))
         pieces = [moved] if len(sent) == 1 else torch.split(moved, widths, dim=1)
         for i, piece in zip(idx, pieces):
             out[i] = after(piece, tensors[i])
@@ -205,13 +206,13 @@ def gather_sequences(
         by_dtype.setdefault(t.dtype, []).append(i)
     device = tensors[0].device
     send_rows, recv_ids, own_ids = (to_device(t, device) for t in (send_rows, recv_ids, own_ids))
-    for idx in by_dtype.values():
+    for part, idx in enumerate(by_dtype.values()):
         flat = [_rows_by_features(tensors[i]) for i in idx]
         widths = [f.shape[1] for f in flat]
         packed = flat[0] if len(flat) == 1 else torch.cat(flat, dim=1)
         as_bytes = packed.dtype == torch.bool
         rows = packed.view(torch.uint8) if as_bytes else packed
-        got = move(rows.index_select(0, send_rows), peers, group, "gather_sequences")
+        got = move(rows.index_select(0, send_rows), peers, group, "gather_sequences", part)
         full = rows.new_zeros((n, rows.shape[1])).index_copy(0, own_ids, rows).index_copy(0, recv_ids, got)
         full = full.view(torch.bool) if as_bytes else full
         for i, piece in zip(idx, torch.split(full, widths, dim=1)):
