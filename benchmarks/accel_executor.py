@@ -47,13 +47,17 @@ def _cases(world: int, smoke: bool = False):
     group = everyone if world == 2 else everyone[:-1]  # 4 ranks: the last one idle (routes nothing)
     ulysses = lambda: plan([group, (0,)], [0] + [1] * (n - 1))  # noqa: E731
     ring = lambda: plan([everyone, (0,)], [0] + [1] * (n - 1), ring=[world, 1], heads=1)  # noqa: E731
-    return model, lens, [
-        ("ulysses attention", ulysses, H, "attention", False),
-        ("ulysses pre_attn", ulysses, H, "pre_attn", False),
-        ("ring attention", ring, 1, "attention", False),
-        ("ring pre_attn (K/V gather)", ring, 1, "pre_attn", False),
-        ("auto + cross-attention", None, H, "attention", True),
-    ]
+    return (
+        model,
+        lens,
+        [
+            ("ulysses attention", ulysses, H, "attention", False),
+            ("ulysses pre_attn", ulysses, H, "pre_attn", False),
+            ("ring attention", ring, 1, "attention", False),
+            ("ring pre_attn (K/V gather)", ring, 1, "pre_attn", False),
+            ("auto + cross-attention", None, H, "attention", True),
+        ],
+    )
 
 
 def run_rank(rank: int, world: int, smoke: bool) -> dict:

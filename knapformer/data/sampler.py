@@ -589,7 +589,11 @@ class TokenBudgetBatchSampler:
             return carry
         o = state["origin"]
         first, carry = self._remainder(
-            int(o["epoch"]), int(o["num_replicas"]), int(o["window"]), int(o["window_step"]), int(o["steps_done"]),
+            int(o["epoch"]),
+            int(o["num_replicas"]),
+            int(o["window"]),
+            int(o["window_step"]),
+            int(o["steps_done"]),
             self._carry_of(o),
         )
         if first != int(state["window"]):
