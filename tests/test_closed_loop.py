@@ -159,3 +159,33 @@ def test_cuda_events_are_read_a_step_late_and_an_unstamped_end_is_nan(monkeypatc
     t.stop()
     assert math.isnan(t.seconds())  # the unstamped step: NaN, no exception
     assert t.drain() == [1.0]
+
+
+def test_two_timers_in_one_process_each_leave_out_the_waits():
+    """Two balancers in one process (two models): each times its own step, and a wait in
+    either one's exchange counts for neither. With one module-global timer the second start
+    displaced the first, whose region then counted the waits (issue 59, item 9)."""
+    import torch
+
+    import knapformer.distributed.timing as timing
+
+    now = [0.0]
+    a = timing.StepTimer("wall", clock=lambda: now[0])
+    b = timing.StepTimer("wall", clock=lambda: now[0])
+    a.start(torch.device("cpu"))
+    now[0] += 1.0  # a's own work
+    b.start(torch.device("cpu"))
+    now[0] += 2.0  # work while both run
+    timing.pause()
+    now[0] += 10.0  # a wait in an exchange
+    timing.resume()
+    now[0] += 4.0
+    b.stop()
+    assert b.seconds() == 6.0
+    timing.pause()
+    now[0] += 20.0  # a's exchange, after b's step ended
+    timing.resume()
+    now[0] += 8.0
+    a.stop()
+    assert a.seconds() == 15.0
+    assert not timing._ACTIVE

@@ -42,19 +42,22 @@ from knapformer.config import TIMER_MODES as MODES
 __all__ = ["MODES", "StepTimer", "pause", "resume"]
 
 _ACTIVE: list[StepTimer] = []
-"""The timer of the step in progress (at most one): what :func:`pause`/:func:`resume` stamp."""
+"""The timers whose steps are in progress, one per balancer that is timing a step: what
+:func:`pause`/:func:`resume` stamp. Every one of them, because a rank that waits in any
+balancer's exchange does no work of its own for any of them (two balancers in one process —
+two models, or a model and its EMA teacher — each keep their own timer)."""
 
 
 def pause() -> None:
-    """A knapformer collective is about to block: close the active timer's segment."""
-    if _ACTIVE:
-        _ACTIVE[0].pause()
+    """A knapformer collective is about to block: close the running timers' segments."""
+    for timer in _ACTIVE:
+        timer.pause()
 
 
 def resume() -> None:
-    """The collective returned: open a new segment."""
-    if _ACTIVE:
-        _ACTIVE[0].resume()
+    """The collective returned: open a new segment in each running timer."""
+    for timer in _ACTIVE:
+        timer.resume()
 
 
 def _cuda_event():
@@ -105,7 +108,8 @@ class StepTimer:
         self.running = True
         self._segments, self._stopped = [], None
         self._open = self._now()
-        _ACTIVE[:] = [self]
+        if self not in _ACTIVE:
+            _ACTIVE.append(self)
 
     def pause(self) -> None:
         if self.running and self._open is not None:
@@ -129,8 +133,8 @@ class StepTimer:
         segments = self._segments[: self._stopped] if self._stopped is not None else None
         self._segments, self._open, self._stopped = [], None, None
         self.running = False
-        if _ACTIVE and _ACTIVE[0] is self:
-            _ACTIVE.clear()
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
         return segments
 
     def seconds(self) -> float:
