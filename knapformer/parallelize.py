@@ -6,6 +6,7 @@ FSDP2 (``fully_shard``) runs on gloo/CPU with torch >= 2.6 in our tests; where i
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
@@ -56,9 +57,21 @@ def apply_fsdp(model: nn.Module, group=None) -> nn.Module:
 
     mesh = None
     if group is not None and group is not dist.group.WORLD:
-        mesh = DeviceMesh.from_group(group, device_type="cpu")
+        mesh = DeviceMesh.from_group(group, device_type=_mesh_device_type(model, group))
     for blocks in _block_lists(model):
         for b in blocks:
             fully_shard(b, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+def _mesh_device_type(model: nn.Module, group) -> str:
+    """The device type of ``group``'s mesh: where the model's parameters live (a GPU rank's
+    sub-group needs a ``cuda`` mesh, or FSDP2 all-gathers its shards through the wrong
+    backend); for a model still on the meta device, the group's accelerator backend decides."""
+    from knapformer.distributed.backends import uses_nccl
+
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if device.type != "meta":
+        return device.type
+    return "cuda" if uses_nccl(group) else "cpu"
