@@ -50,8 +50,12 @@ __all__ = [
 class LinkModel:
     """The links between the ranks of a balancing group, and how a second compares with the
     cost model's units. Build it by hand, from a hardware preset (``knapformer.cluster``'s
-    ``Hardware.link``), or leave it out (no communication cost: the bag solvers' plans and
-    times are then exactly those of the compute-only model)."""
+    ``Hardware.link``), or measure it: a balancer built without one
+    (``BalancerConfig.link=None``, the default) probes its group's links when it is built
+    (:mod:`knapformer.distributed.link_probe`). Only the planner's own functions
+    (``plan_sequences(..., link=None)``) read a missing link as free exchanges, as
+    ``BalancerConfig.link="free"`` does: the bag solvers' plans and times are then exactly those
+    of the compute-only model."""
 
     intra_bw: float
     """Bytes/s per rank per direction between ranks of one node."""
