@@ -136,8 +136,20 @@ class PackedFamily(ModelFamily):
 
     def target_rows(self, samples: Sequence) -> list[int]:
         """Output rows of each sample: its first visual rows (a text-only sequence's stand-in
-        rows get zero targets). Default: the rows of each sample's ``latents``."""
-        return [int(s.latents.shape[0]) for s in samples]
+        rows get zero targets). Default: the rows of each sample's ``latents``, read as
+        ``(rows, channels)``; latents of any other rank (a video's ``(C, F, H, W)``) raise, since
+        their first dimension is not a row count: such a family overrides this."""
+        rows = []
+        for s in samples:
+            shape = tuple(s.latents.shape)
+            if len(shape) != 2:
+                raise TypeError(
+                    f"{self.name}: PackedFamily.target_rows reads latents as (rows, channels), got a sample's "
+                    f"latents of shape {shape}; override target_rows to return each sample's output rows "
+                    "(e.g. its patched grid's size, as the Wan and HunyuanVideo 1.5 families do)"
+                )
+            rows.append(int(shape[0]))
+        return rows
 
     def build(self) -> nn.Module:
         return type(self).build_model(self.config)
