@@ -19,3 +19,42 @@ def test_target_rows_reads_token_rows_and_refuses_video_latents():
     video = [SimpleNamespace(latents=torch.zeros(16, 5, 8, 8))]
     with pytest.raises(TypeError, match=r"ltx-like.*\(16, 5, 8, 8\).*override target_rows"):
         PackedFamily.target_rows(family, video)
+
+
+def test_packed_titan_attention_runs_the_mask_it_was_priced_for():
+    """torchtitan's Flux attention module defaulted to ``is_causal=True``: a packed call that
+    omitted the flag ran causal attention that ``titan_flux_workload`` prices as non-causal
+    (issue 59, item 8). Now omitted means bidirectional, and asking for causal raises; stock
+    calls keep the stock module's own default."""
+    from knapformer.integrations.torchtitan_flux import PackedTitanAttention, _Attend
+
+    stock_calls: list[dict] = []
+
+    class Stock(torch.nn.Module):
+        def forward(self, q, k, v, **kwargs):
+            stock_calls.append(kwargs)
+            return q
+
+    class Executor:
+        causal: list[bool] = []
+
+        def attention(self, q, k, v, causal=False):
+            Executor.causal.append(causal)
+            return q
+
+    T, H, D = 5, 2, 3
+    order = torch.arange(T)
+    routed = SimpleNamespace(inv=order, joint=order, executor=Executor())
+    attn = PackedTitanAttention(Stock())
+    q = torch.randn(1, T, H, D)
+    attn._attend = _Attend(routed)
+    attn(q, q, q)  # the flag left out
+    attn._attend = _Attend(routed)
+    attn(q, q, q, is_causal=False)
+    assert Executor.causal == [False, False]
+    attn._attend = _Attend(routed)
+    with pytest.raises(ValueError, match="bidirectionally"):
+        attn(q, q, q, is_causal=True)
+    attn(q, q, q)  # a stock call: the stock default, untouched
+    attn(q, q, q, is_causal=True)
+    assert stock_calls == [{}, {"is_causal": True}]

@@ -103,20 +103,32 @@ class PackedVec:
 class PackedTitanAttention(nn.Module):
     """A block's ``inner_attention`` for packed calls: the stock module (``stock``) unless the
     block was called with a :class:`PackedVec`, then attention within each sample through the
-    executor. q/k/v arrive as ``(1, T, H, Dh)`` in joint order, as the stock block builds them."""
+    executor. q/k/v arrive as ``(1, T, H, Dh)`` in joint order, as the stock block builds them.
+
+    Flux attends bidirectionally, and :func:`titan_flux_workload` prices it so: a packed call
+    that omits ``is_causal`` runs non-causal attention (the stock module's own default applies
+    to stock calls only), and one that asks for causal attention raises, since its plan priced
+    the other mask."""
 
     def __init__(self, stock: nn.Module) -> None:
         super().__init__()
         self.stock = stock
         self._attend: _Attend | None = None
 
-    def forward(self, q, k, v, *args, is_causal: bool = True, **kwargs):
+    def forward(self, q, k, v, *args, is_causal: bool | None = None, **kwargs):
         attend, self._attend = self._attend, None
         if attend is None:
-            return self.stock(q, k, v, *args, is_causal=is_causal, **kwargs)
+            if is_causal is not None:
+                kwargs["is_causal"] = is_causal
+            return self.stock(q, k, v, *args, **kwargs)
+        if is_causal:
+            raise ValueError(
+                "a packed torchtitan Flux call asked for causal attention: Flux attends bidirectionally "
+                "and titan_flux_workload prices non-causal attention; pass is_causal=False or leave it out"
+            )
         r = attend.routed
         q, k, v = (t[0].index_select(0, r.inv) for t in (q, k, v))
-        o = r.executor.attention(q, k, v, causal=is_causal).index_select(0, r.joint)
+        o = r.executor.attention(q, k, v, causal=False).index_select(0, r.joint)
         if attend.pad:
             o = torch.cat([o, o.new_zeros(attend.pad, *o.shape[1:])])
         return o.unsqueeze(0).to(q.dtype)
