@@ -47,7 +47,7 @@ def stock_forward(model, s):
     whether its vision states are all zero)."""
     ones = lambda n: torch.ones(n, dtype=torch.long)  # noqa: E731
     extra = None
-    if model.byt5_in is not None:
+    if model.glyph_byT5_v2:
         b5 = s.byt5 if s.byt5 is not None else torch.zeros(0, model.byt5_in.fc1.in_features, dtype=torch.float64)
         m5 = ones(b5.shape[0]) if s.byt5_mask is None else s.byt5_mask.long()
         extra = {"byt5_text_states": b5[None], "byt5_text_mask": m5[None]}

@@ -279,7 +279,8 @@ class HunyuanVideo_1_5_DiffusionTransformer(nn.Module):  # noqa: N801 (the offic
         self.text_projection, self.use_attention_mask, self.attn_mode = "single_refiner", True, "flash"
         self.attn_param = {}
         self.img_in = PatchEmbed(self.patch_size, in_channels, hidden_size)
-        self.byt5_in = ByT5Mapper(*byt5_dims, hidden_size) if glyph_byT5_v2 else None
+        if glyph_byT5_v2:  # as upstream: without glyphs the attribute is never created
+            self.byt5_in = ByT5Mapper(*byt5_dims, hidden_size)
         self.vision_in = VisionProjection(vision_states_dim, hidden_size) if vision_projection == "linear" else None
         self.txt_in = SingleTokenRefiner(text_states_dim, hidden_size, heads_num)
         self.time_in = TimestepEmbedder(hidden_size)

@@ -56,6 +56,12 @@ class OfficialSample:
     timestep_r: torch.Tensor | None = None  # () MeanFlow reference timestep (use_meanflow models)
 
 
+def _byt5_in(model):
+    """The glyph (byT5) mapper, or None: the official class creates ``byt5_in`` only when
+    ``glyph_byT5_v2`` is set (its default is off), so the attribute may not exist at all."""
+    return getattr(model, "byt5_in", None) if getattr(model, "glyph_byT5_v2", True) else None
+
+
 def _kept(rows, mask) -> torch.Tensor:
     n = 0 if rows is None else int(rows.shape[0])
     return torch.arange(n) if mask is None else torch.nonzero(torch.as_tensor(mask).reshape(-1).bool().cpu()).flatten()
@@ -80,7 +86,8 @@ def official_workload(model, *, gamma: float = 1.0):
 
 def _problem(model, samples: Sequence[OfficialSample]) -> str:
     widths = {"text": model.txt_in.input_embedder.in_features}
-    widths["byt5"] = model.byt5_in.fc1.in_features if model.byt5_in is not None else None
+    byt5_in = _byt5_in(model)
+    widths["byt5"] = byt5_in.fc1.in_features if byt5_in is not None else None
     widths["vision"] = model.vision_in.proj[0].normalized_shape[0] if model.vision_in is not None else None
     c_in, patch = model.img_in.proj.in_channels, tuple(model.patch_size)
 
@@ -176,7 +183,7 @@ def _context(model, samples, ts, device, dtype, like) -> tuple[torch.Tensor, ...
         stand_in = like.new_zeros(1, 1, model.txt_in.input_embedder.in_features)
         like = like + 0 * model.txt_in(stand_in, ts.new_zeros(1), like.new_ones(1, 1)).sum()
     vis = embed(model.vision_in, "vision", lambda s: torch.arange(_parts(model, s)[1]))
-    b5 = embed(model.byt5_in, "byt5", lambda s: _kept(s.byt5, s.byt5_mask))
+    b5 = embed(_byt5_in(model), "byt5", lambda s: _kept(s.byt5, s.byt5_mask))
     txt = seam.cat_or_empty(txt, (0, model.hidden_size), device, dtype)
     return like, cond(vis, 2), cond(b5, 1), cond(txt, 0)
 
