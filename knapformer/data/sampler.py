@@ -141,9 +141,9 @@ def pack_batches(
     batches: list[list[int]] = []
     cur: list[int] = []
     tokens = 0
-    for i in order:
-        i = int(i)
-        n = int(lengths[i])
+    idx = np.asarray(order, dtype=np.int64).reshape(-1)
+    # one vectorised read (a memory-mapped array indexed per element costs a Python call each)
+    for i, n in zip(idx.tolist(), np.asarray(lengths)[idx].tolist()):
         if n > max_tokens:
             if oversize == "error":
                 raise ValueError(
