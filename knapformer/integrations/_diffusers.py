@@ -130,8 +130,15 @@ def embed_latents(embed, proj, latents: Sequence[torch.Tensor], device, dtype) -
     return proj(torch.zeros(0, proj.in_channels, *proj.kernel_size, device=device, dtype=dtype)).flatten(1)
 
 
-def stack_scalars(values, device, dtype) -> torch.Tensor:
-    """(n,) from per-sample scalars (tensors or numbers)."""
+def stack_scalars(values, device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """(n,) from per-sample scalars (tensors or numbers), in ``dtype``; None keeps the values'
+    values' precision: float64 if any is, else float32. Timesteps keep theirs: the stock models
+    embed an fp32 timestep in fp32, and rounding 998.7 to bf16 first gives 1000 — a different
+    sinusoidal embedding. A family casts where its stock forward casts (Flux, Flux.2 and
+    Qwen-Image cast timesteps to the hidden states' dtype)."""
+    if dtype is None:  # float64 if any value is (fp64 runs), else float32 (holds bf16/fp16 exactly)
+        wide = any(torch.as_tensor(v).dtype == torch.float64 for v in values)
+        dtype = torch.float64 if wide else torch.float32
     if not values:
         return torch.zeros(0, device=device, dtype=dtype)
     return torch.stack([torch.as_tensor(v).reshape(()) for v in values]).to(device=device, dtype=dtype)

@@ -167,11 +167,12 @@ def _problem(model, samples: Sequence[HunyuanVideo15Sample]) -> str:
 def _time(model, samples, ts, dtype, device) -> torch.Tensor:
     """(S, D) time embeddings (plus the MeanFlow reference embedding of samples that have one)."""
     te = model.time_embed
-    temb = te(ts)
+    temb = te.timestep_embedder(te.time_proj(ts).to(dtype))  # fp32 timesteps, as stock (its module would
+    # cast the projection to the timesteps' dtype, which a bf16 model without autocast cannot take)
     if te.use_meanflow:  # (runs on no rows too: every rank's parameters get a gradient)
         has = torch.tensor([s.timestep_r is not None for s in samples], dtype=torch.bool)
         idx = torch.nonzero(has).flatten().to(device)
-        r = seam.stack_scalars([s.timestep_r for s in samples if s.timestep_r is not None], device, dtype)
+        r = seam.stack_scalars([s.timestep_r for s in samples if s.timestep_r is not None], device)
         temb = temb.index_add(0, idx, te.timestep_embedder_r(te.time_proj_r(r).to(dtype)))
     return temb
 
@@ -188,7 +189,7 @@ def packed_hunyuanvideo15_forward(
     c, device, dtype = seam.begin(model, samples, executor, prepare_hunyuanvideo15, _problem, proj.weight)
     grids = [_grid(model, s.latents) for s in samples]
     pk = seam.Packing([_parts(model, s) for s in samples], _STREAMS, device)
-    ts = seam.stack_scalars([s.timestep for s in samples], device, dtype)
+    ts = seam.stack_scalars([s.timestep for s in samples], device)  # not rounded to the model's dtype
     # 1. embed at home: every module runs (on empty inputs too), so every parameter gets a gradient
     vid = seam.embed_latents(model.x_embedder, proj, [s.latents for s in samples], device, dtype)
     imgs = [s.image_embeds for s in samples if _image_rows(s)]

@@ -192,14 +192,14 @@ def _packed(model, samples, executor):
     _, device, dtype = seam.begin(model, samples, executor, lambda m: None, _problem, model.img_in.proj.weight)
     pk = seam.Packing([_parts(model, s) for s in samples], {"img": (0,), "txt": (1, 2, 3)}, device)
     grids = [tuple(n // p for n, p in zip(s.latents.shape[1:], model.patch_size)) for s in samples]
-    ts = seam.stack_scalars([s.timestep for s in samples], device, dtype)
+    ts = seam.stack_scalars([s.timestep for s in samples], device)  # fp32, as train.py passes them
     vid = seam.embed_latents(model.img_in, model.img_in.proj, [s.latents for s in samples], device, dtype)
     vec = model.time_in(ts)
     if model.guidance_embed:  # the stock default strength (train.py passes none)
         vec = vec + model.guidance_in(torch.full_like(ts, 6016.0))
     if model.time_r_in is not None:
         has = [i for i, s in enumerate(samples) if s.timestep_r is not None]
-        r_ts = seam.stack_scalars([samples[i].timestep_r for i in has], device, dtype)
+        r_ts = seam.stack_scalars([samples[i].timestep_r for i in has], device)
         vec = vec.index_add(0, torch.tensor(has, dtype=torch.long, device=device), model.time_r_in(r_ts))
     pos = seam.cat_or_empty([_grid(g, n, device) for g, n in zip(grids, pk.seq_lens)], (0, 3), device, torch.int64)
     h = pk.merge(*_context(model, samples, ts, device, dtype, vid))

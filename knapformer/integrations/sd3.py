@@ -126,7 +126,7 @@ def packed_sd3_forward(model, samples: Sequence[SD3Sample], executor: TokenExecu
         seam.cat_or_empty([s.text for s in samples], (0, c.joint_attention_dim), device, dtype)
     )
     pooled = seam.cat_or_empty([s.pooled[None] for s in samples], (0, c.pooled_projection_dim), device, dtype)
-    temb = model.time_text_embed(seam.stack_scalars([s.timestep for s in samples], device, dtype), pooled)
+    temb = model.time_text_embed(seam.stack_scalars([s.timestep for s in samples], device), pooled)
     # 2. route; the per-sample temb to the group
     r = pk.route(executor, pk.merge(img, txt), per_sample=(temb,), names=("temb",))
     st = seam.PerSample(r.per_sample[0], {"img": r.sample_of("img"), "txt": r.sample_of("txt")})

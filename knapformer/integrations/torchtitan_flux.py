@@ -296,9 +296,9 @@ def packed_titan_flux_forward(
     # 1. embed locally (every embedder runs, possibly on empty inputs: all params get grads)
     img_h = model.img_in(seam.cat_or_empty([s.latents for s in samples], (0, d.in_channels), device, dtype))
     txt_h = model.txt_in(seam.cat_or_empty([s.text for s in samples], (0, d.context), device, dtype))
-    ts = seam.stack_scalars([s.timestep for s in samples], device, dtype)
+    ts = seam.stack_scalars([s.timestep for s in samples], device)  # not rounded to the model's dtype
     pooled = seam.cat_or_empty([s.pooled[None] for s in samples], (0, d.vec), device, dtype)
-    vec = model.time_in(timestep_embedding(ts, 256)) + model.vector_in(pooled)  # (S, D), as the stock forward
+    vec = model.time_in(timestep_embedding(ts, 256).to(dtype)) + model.vector_in(pooled)  # (S, D), as the stock forward
     ids_dtype = samples[0].img_ids.dtype if samples else torch.float32
     ids = seam.cat_or_empty([torch.cat([s.txt_ids, s.img_ids]) for s in samples], (0, d.axes), device, torch.float64)
     # 2. route (a local executor keeps everything in place); ids travel losslessly in float64
