@@ -85,11 +85,14 @@ def check_flux_balanced(rank: int, world: int, layout: str, wrapper: str) -> dic
     model = copy.deepcopy(ref)
     loss = sum((stock_forward(ref, s) * t).sum() for s, t in zip(flat, tg))
     loss.backward()
-    if wrapper == "fsdp":
+    if "ckpt" in wrapper:
+        model.enable_gradient_checkpointing()
+    if "fsdp" in wrapper:
         from torch.distributed.fsdp import fully_shard
 
         for b in [*model.transformer_blocks, *model.single_transformer_blocks]:
             fully_shard(b)
+        fully_shard(model)  # the root too, as FSDP2 trainers do (issue 58)
     bal = SequenceBalancer(layout, WorkloadModel(d_model=16), link="free")  # free: samples split
     mine = all_samples[rank]
     first = sum(len(r) for r in all_samples[:rank])

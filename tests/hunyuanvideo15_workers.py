@@ -138,6 +138,7 @@ CASES = {
         "fsdp+ckpt",
         [[dict(f=4, h=5, w=6, txt=2, image=2)], [dict(f=1, h=3, w=2, txt=1, glyph=1)]],
     ),
+    "fsdp-checkpointing-empty-rank": ("auto", 2, "fsdp+ckpt", [[dict(f=3, h=6, w=6, txt=3, glyph=1)], []]),
 }
 
 
@@ -168,6 +169,7 @@ def check_hv_cases(rank: int, world: int) -> dict:
 
             for b in model.transformer_blocks:
                 fully_shard(b)
+            fully_shard(model)  # the root too, as FSDP2 trainers do (issue 58)
         link = LinkModel(intra_bw=3e7, inter_bw=3e7, gpus_per_node=world, units_per_second=1e9)
         bal = SequenceBalancer(BalancerConfig(layout=layout, cost=hunyuanvideo15_workload(model), link=link))
         mine = per_rank[rank]

@@ -93,6 +93,9 @@ CASES = {
         "fsdp+ckpt",
         [[dict(f=4, h=5, w=6, txt=2, image=2)], [dict(f=1, h=3, w=2, txt=1, glyph=1, glyph_pad=1)]],
     ),
+    # issue 59, item 1: root and blocks sharded, checkpointing, rank 1 without a sample (it
+    # deadlocked: FSDP2 hooked the root's backward all-gather on rank 0's per-sample outputs only)
+    "fsdp-checkpointing-empty-rank": ("auto", {}, "fsdp+ckpt", [[dict(f=3, h=6, w=6, txt=3, glyph=1)], []]),
 }
 
 

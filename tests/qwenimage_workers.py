@@ -130,6 +130,7 @@ CASES = {
     "ring": ("auto", [[((1, 16, 14),), 6, 0, 0], [((1, 2, 3),), 2, 0, 0]], "plain", 1, ""),
     "edit-fsdp-checkpointing": ("auto", [[((1, 6, 6), (1, 4, 3)), 3, 1, 0]], "edit-zero-cond-t", 2, "fsdp+ckpt"),
     "g1n2-idle-rank": ("g1n2", [[((1, 3, 4),), 2, 0, 0]], "plain", 2, ""),  # rank 1 holds no token at all
+    "fsdp-checkpointing-empty-rank": ("auto", [[((1, 10, 8),), 3, 0, 0]], "plain", 2, "fsdp+ckpt"),
 }
 _RANK1 = {  # rank 1's samples per case ("auto-empty-rank": none)
     "auto": [[((1, 2, 4),), 0, 0, 0]],
@@ -137,6 +138,7 @@ _RANK1 = {  # rank 1's samples per case ("auto-empty-rank": none)
     "ring": [[((1, 3, 1),), 1, 0, 0]],
     "edit-fsdp-checkpointing": [[((1, 2, 2), (1, 2, 1)), 2, 1, 0]],
     "g1n2-idle-rank": [],
+    "fsdp-checkpointing-empty-rank": [],
 }
 
 
@@ -168,6 +170,7 @@ def check_qwen_cases(rank: int, world: int) -> dict:
 
             for b in model.transformer_blocks:
                 fully_shard(b)
+            fully_shard(model)  # the root too, as FSDP2 trainers do (issue 58)
         link = LinkModel(intra_bw=3e7, inter_bw=3e7, gpus_per_node=world, units_per_second=1e9)
         bal = SequenceBalancer(BalancerConfig(layout=layout, cost=qwenimage_workload(model), link=link))
         mine = per_rank[rank]

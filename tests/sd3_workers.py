@@ -53,6 +53,7 @@ CASES = {
     "auto-empty-rank": ({}, "", [[(8, 8, 4)], []]),
     "ring": ({"num_heads": 1, "head_dim": 32}, "", [[(12, 10, 6)], [(2, 2, 2)]]),
     "qk-norm-fsdp-checkpointing": ({"qk_norm": "rms_norm"}, "fsdp+ckpt", [[(6, 9, 2)], [(3, 2, 4)]]),
+    "fsdp-checkpointing-empty-rank": ({}, "fsdp+ckpt", [[(10, 8, 4)], []]),
 }
 
 
@@ -79,6 +80,7 @@ def check_sd3_cases(rank: int, world: int) -> dict:
 
             for b in model.transformer_blocks:
                 fully_shard(b)
+            fully_shard(model)  # the root too, as FSDP2 trainers do (issue 58)
         link = LinkModel(intra_bw=3e7, inter_bw=3e7, gpus_per_node=world, units_per_second=1e9)
         bal = SequenceBalancer(BalancerConfig(layout="auto", cost=sd3_workload(model), link=link))
         mine = per_rank[rank]

@@ -90,8 +90,9 @@ def test_bad_samples_are_named():
 
 
 def test_balanced_equals_stock_on_two_ranks():
-    """auto, g1n2 and g2n1 (one sample split over both ranks while rank 1 brings none): every
-    rank's outputs and the all-reduced gradients of every parameter equal the stock ones."""
+    """auto, g1n2 and g2n1 (one sample split over both ranks while rank 1 brings none), and g2n1
+    under FSDP2 (blocks and root) with checkpointing: every rank's outputs and the all-reduced
+    gradients of every parameter equal the stock ones."""
     res = run_distributed(W.check_flux2_cases, 2, timeout=240)
     for rank in res:
         for case, r in rank.items():

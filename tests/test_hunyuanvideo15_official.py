@@ -180,6 +180,7 @@ def test_balanced_equals_the_official_forward_on_two_ranks():
     assert 2 in res[0]["auto"]["sizes"] and res[1]["auto-empty-rank-i2v"]["routed"] > 0
     assert res[0]["ring"]["rings"] == [2], res[0]["ring"]
     assert all(r["fsdp-checkpointing"]["routed"] > 0 for r in res)
+    assert res[1]["fsdp-checkpointing-empty-rank"]["routed"] > 0  # the empty rank holds tokens
     for case in range(2):
         assert [r["bad"][case][0] for r in res] == ["BalancerInputError"] * 2, [r["bad"][case] for r in res]
         assert all("bad input on rank(s) [1]" in r["bad"][case][1] for r in res)

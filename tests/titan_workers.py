@@ -169,4 +169,4 @@ def check_all(rank: int, world: int) -> dict:
     return out
 
 
-RUNS = [("mixed", "none"), ("empty", "none"), ("idle", "none"), ("mixed", "fsdp")]
+RUNS = [("mixed", "none"), ("empty", "none"), ("idle", "none"), ("mixed", "fsdp"), ("empty", "fsdp")]

@@ -123,6 +123,7 @@ def check_wan_balanced(rank: int, world: int, names: list[str]) -> dict:
 
             for b in model.blocks:
                 fully_shard(b)
+            fully_shard(model)  # the root too, as FSDP2 trainers do (issue 58)
         bal = SequenceBalancer(BalancerConfig(layout=layout, cost=wan_workload(model, context_len=8), link="free"))
         mine = all_samples[rank]
         first = sum(len(r) for r in all_samples[:rank])

@@ -5,7 +5,8 @@ families reach them through :mod:`knapformer.integrations.seam`)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ __all__ = [
     "require_diffusers",
     "square_image",
     "stack_scalars",
+    "through_root",
     "unpatchify",
     "visual_targets",
 ]
@@ -105,6 +107,42 @@ def grid_ids(n: int, axes: int = 3, dtype: torch.dtype = torch.float64) -> torch
     ids = torch.zeros(n, axes, dtype=dtype)
     ids[:, -2], ids[:, -1] = pos // w, pos % w
     return ids
+
+
+def through_root(model: torch.nn.Module, run: Callable[[], PackedOutput]) -> PackedOutput:
+    """``run()`` — a family's packed forward — as the model's own call, in place of its stock
+    ``forward``: ``model()`` runs the hooks a stock call runs on the root. Why: a trainer that
+    shards the root with FSDP2 (``fully_shard(model)`` after the blocks) all-gathers the root's
+    parameters in its pre-forward hook and hooks the root's backward all-gather on the outputs it
+    sees; calling the root's modules directly skips both (a sharded root then fails with "mixed
+    torch.Tensor and DTensor"). The outputs leave the call as ``(per-sample list, flat)``, so the
+    hooks see ``flat`` too: on a rank with no sample it is the only output, and a rank whose
+    outputs carry no hook skips the root's backward all-gather that its peers make first (a
+    deadlock). Returns ``run()``'s output, holding the tensors the call returned."""
+    box: dict[str, PackedOutput] = {}
+
+    def forward(*args, **kwargs):
+        box["out"] = out = run()
+        return list(out), out.flat
+
+    saved = model.__dict__.get("forward")  # an instance forward (a hook's or an adapter's) comes back
+    model.forward = forward
+    try:
+        with warnings.catch_warnings():
+            # the per-sample outputs are views of ``flat``, which FSDP2 warns of (an in-place op
+            # on one would drop its hook): ``flat``'s own hook still runs the root's backward
+            warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+            parts, flat = model()
+    finally:
+        if saved is None:
+            del model.forward
+        else:
+            model.forward = saved
+    out = box["out"]
+    res = type(out)(parts)
+    res.__dict__.update(out.__dict__)
+    res.flat = flat
+    return res
 
 
 def call_block(model, block, *args):

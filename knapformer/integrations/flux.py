@@ -168,6 +168,11 @@ def packed_flux_forward(
     ``executor`` is a ``SequenceBalancer`` already planned for this step with
     ``flux_seq_lens(samples)`` (every rank of the group calls this function), a
     ``LocalExecutor``, or None (attention within each sample on this process)."""
+    return seam.through_root(model, lambda: _packed_flux(model, samples, executor))
+
+
+def _packed_flux(model, samples: Sequence[FluxSample], executor: TokenExecutor | None = None) -> PackedFluxOutput:
+    """:func:`packed_flux_forward`'s work, run as the model's own call (``seam.through_root``)."""
     c, device, dtype = seam.begin(model, samples, executor, prepare_flux, _problem, model.x_embedder.weight)
     pk = seam.Packing([(s.text.shape[0], s.latents.shape[0]) for s in samples], {"txt": (0,), "img": (1,)}, device)
     # 1. embed at home (every embedder runs, possibly on empty inputs: all params get grads)

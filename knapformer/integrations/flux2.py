@@ -162,6 +162,11 @@ def packed_flux2_forward(
     ``executor`` is a ``SequenceBalancer`` already planned for this step with
     ``flux2_seq_lens(samples)`` (every rank of the group calls this function), a
     ``LocalExecutor``, or None (attention within each sample on this process)."""
+    return seam.through_root(model, lambda: _packed_flux2(model, samples, executor))
+
+
+def _packed_flux2(model, samples: Sequence[Flux2Sample], executor: TokenExecutor | None = None) -> PackedFlux2Output:
+    """:func:`packed_flux2_forward`'s work, run as the model's own call (``seam.through_root``)."""
     c, device, dtype = seam.begin(model, samples, executor, prepare_flux2, _problem, model.x_embedder.weight)
     img_lens = [int(s.latents.shape[0]) for s in samples]
     pk = seam.Packing([(s.text.shape[0], n + s.num_ref) for s, n in zip(samples, img_lens)], _STREAMS, device)

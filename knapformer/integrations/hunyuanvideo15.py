@@ -185,6 +185,13 @@ def packed_hunyuanvideo15_forward(
     ``executor`` is a ``SequenceBalancer`` already planned for this step with
     ``hunyuanvideo15_seq_lens(model, samples)`` (every rank of the group calls this function),
     a ``LocalExecutor``, or None (everything on this process)."""
+    return seam.through_root(model, lambda: _packed_hunyuanvideo15(model, samples, executor))
+
+
+def _packed_hunyuanvideo15(
+    model, samples: Sequence[HunyuanVideo15Sample], executor: TokenExecutor | None = None
+) -> PackedHunyuanVideo15Output:
+    """:func:`packed_hunyuanvideo15_forward`'s work, run as the model's own call (``seam.through_root``)."""
     proj = model.x_embedder.proj
     c, device, dtype = seam.begin(model, samples, executor, prepare_hunyuanvideo15, _problem, proj.weight)
     grids = [_grid(model, s.latents) for s in samples]

@@ -154,7 +154,7 @@ def packed_official_forward(model, samples: Sequence[OfficialSample], executor: 
     """Outputs (C_out, F, H, W) per sample, in order; differentiable. ``executor``: a balancer
     planned with ``official_seq_lens(model, samples)`` on every rank, a ``LocalExecutor``, or None."""
     prepare_official(model)
-    return model(knapformer=(samples, executor))
+    return seam.through_root(model, lambda: _packed(model, samples, executor))
 
 
 def _context(model, samples, ts, device, dtype, like) -> tuple[torch.Tensor, ...]:

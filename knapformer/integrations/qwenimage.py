@@ -181,6 +181,13 @@ def packed_qwenimage_forward(
     ``executor`` is a ``SequenceBalancer`` already planned for this step with
     ``qwenimage_seq_lens(samples)`` (every rank of the group calls this function), a
     ``LocalExecutor``, or None (attention within each sample on this process)."""
+    return seam.through_root(model, lambda: _packed_qwenimage(model, samples, executor))
+
+
+def _packed_qwenimage(
+    model, samples: Sequence[QwenImageSample], executor: TokenExecutor | None = None
+) -> PackedQwenImageOutput:
+    """:func:`packed_qwenimage_forward`'s work, run as the model's own call (``seam.through_root``)."""
     c, device, dtype = seam.begin(model, samples, executor, prepare_qwenimage, _problem, model.img_in.weight)
     keep = [s.text_rows() for s in samples]
     img_lens = [int(s.latents.shape[0]) + s.num_ref for s in samples]

@@ -116,6 +116,11 @@ def _problem(model, samples: Sequence[SD3Sample]) -> str:
 def packed_sd3_forward(model, samples: Sequence[SD3Sample], executor: TokenExecutor | None = None) -> seam.PackedOutput:
     """Outputs (C, H, W) for each sample, in order; differentiable. ``executor``: a balancer
     planned with ``sd3_seq_lens(samples)`` on every rank, a ``LocalExecutor``, or None."""
+    return seam.through_root(model, lambda: _packed_sd3(model, samples, executor))
+
+
+def _packed_sd3(model, samples: Sequence[SD3Sample], executor: TokenExecutor | None = None) -> seam.PackedOutput:
+    """:func:`packed_sd3_forward`'s work, run as the model's own call (``seam.through_root``)."""
     c, device, dtype = seam.begin(model, samples, executor, prepare_sd3, _problem, model.context_embedder.weight)
     pk = seam.Packing(
         [(_tokens(s, c.patch_size), s.text.shape[0]) for s in samples], {"img": (0,), "txt": (1,)}, device

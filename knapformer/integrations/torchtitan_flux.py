@@ -285,6 +285,13 @@ def packed_titan_flux_forward(
     ``titan_flux_seq_lens(samples)`` (every rank of the group calls this function), a
     ``LocalExecutor``, or None (attention within each sample on this process). A malformed
     sample raises on every rank of the balancer's group."""
+    return seam.through_root(model, lambda: _packed_titan_flux(model, samples, executor))
+
+
+def _packed_titan_flux(
+    model, samples: Sequence[TitanFluxSample], executor: TokenExecutor | None = None
+) -> PackedTitanFluxOutput:
+    """:func:`packed_titan_flux_forward`'s work, run as the model's own call (``seam.through_root``)."""
     from torchtitan.models.flux.model.layers import timestep_embedding
 
     prepare_titan_flux(model)

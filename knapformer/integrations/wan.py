@@ -231,6 +231,11 @@ def packed_wan_forward(model, samples: Sequence[WanSample], executor: TokenExecu
     ``executor`` is a ``SequenceBalancer`` already planned for this step with
     ``wan_seq_lens(model, samples)`` (every rank of the group calls this function), a
     ``LocalExecutor``, or None (everything on this process)."""
+    return seam.through_root(model, lambda: _packed_wan(model, samples, executor))
+
+
+def _packed_wan(model, samples: Sequence[WanSample], executor: TokenExecutor | None = None) -> PackedWanOutput:
+    """:func:`packed_wan_forward`'s work, run as the model's own call (``seam.through_root``)."""
     cfg, device, dtype = seam.begin(model, samples, executor, prepare_wan, _problem, model.patch_embedding.weight)
     grids = [_post_patch(model, s.latents) for s in samples]
     pk = seam.Packing([(math.prod(g),) for g in grids], {"vid": (0,)}, device)
