@@ -340,6 +340,9 @@ class HunyuanVideo_1_5_DiffusionTransformer(nn.Module):  # noqa: N801 (the offic
         for index, block in enumerate(self.double_blocks):
             img, txt = block(img=img, txt=txt, vec=vec, freqs_cis=(freqs_cos, freqs_sin), text_mask=text_mask,
                              attn_param=self.attn_param, block_idx=index)  # fmt: skip
+        img_seq_len = img.shape[1]
+        x = torch.cat((img, txt), 1)  # as upstream: joined after the last block, the image sliced back
+        img = x[:, :img_seq_len, ...]  # (the last block's text path gets exact-zero gradients)
         img = self.final_layer(img, vec)
         return (self.unpatchify(img, tt, th, tw), None)
 

@@ -210,6 +210,7 @@ def _packed(model, samples, executor):
     img_s, txt_s = r.take(r.h, "img").unsqueeze(1), r.take(r.h, "txt").unsqueeze(1)  # (T, 1, D)
     for block in model.double_blocks:
         img_s, txt_s = block(img_s, txt_s, per, rope, None, r)
+    img_s = _ZeroGradTo.apply(img_s, txt_s)  # the official forward joins and slices: zeros, not None
     fl = model.final_layer
     shift, scale = fl.adaLN_modulation(vec_p).index_select(0, per.rows["img"]).chunk(2, dim=1)
     out = fl.linear(type(fl).forward.__globals__["modulate"](fl.norm_final(img_s), shift=shift, scale=scale))[:, 0]
@@ -217,6 +218,24 @@ def _packed(model, samples, executor):
     # (copies, not views of ``flat``: FSDP2 hooks the root's outputs, and warns on views)
     outs = [model.unpatchify(o[None], *g)[0].clone() for o, g in zip(pk.split(flat, 0), grids)]
     return seam.PackedOutput.of(outs, flat)
+
+
+class _ZeroGradTo(torch.autograd.Function):
+    """``x`` unchanged; ``unused`` gets an exact-zero gradient. The official forward joins image
+    and text after the last block and slices the image back out, so the last block's text-only
+    parameters (``txt_attn_proj``, ``txt_mlp``) get zero gradients, not None: AdamW's weight
+    decay then still moves them, as in a stock run. (``x + 0 * unused.sum()`` would turn an inf
+    in the unused rows into a NaN output.)"""
+
+    @staticmethod
+    def forward(ctx, x, unused):  # type: ignore[override]
+        ctx.unused = (unused.shape, unused.dtype, unused.device)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        shape, dtype, device = ctx.unused
+        return grad, torch.zeros(shape, dtype=dtype, device=device)
 
 
 def _grid(g, n: int, device) -> torch.Tensor:
