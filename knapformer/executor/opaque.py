@@ -105,13 +105,23 @@ def _attend(
         o = _KINDS[kind](target, *inputs, list(extra), causal, backend)
     key = next(_keys)
     edge = torch.autograd.graph.get_gradient_edge(o) if o.requires_grad else None
+    handle = torch.tensor([key], dtype=torch.int64)
     with _lock:
         _GRAPHS[key] = (edge, inputs)
         if len(_GRAPHS) > _MAX_KEPT:  # forwards whose backward never came: drop the oldest
             _log.warning("knapformer::attend: %d forward graphs without a backward; dropping the oldest", len(_GRAPHS))
             for old in sorted(_GRAPHS)[: len(_GRAPHS) - _MAX_KEPT]:
                 del _GRAPHS[old]
-    return o.detach(), torch.tensor([key], dtype=torch.int64)
+    # the graph lives as long as its key: a backward holds the key until it runs; a forward
+    # whose key nobody keeps (activation checkpointing drops the first forward's saved tensors
+    # and recomputes the call under a new key) frees its graph with it
+    weakref.finalize(handle, _drop, key)
+    return o.detach(), handle
+
+
+def _drop(key: int) -> None:
+    with _lock:
+        _GRAPHS.pop(key, None)
 
 
 @_attend.register_fake
