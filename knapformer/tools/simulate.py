@@ -199,7 +199,7 @@ def _worker(rank: int, world: int, cfg: SimConfig) -> dict:
     if bar is not None:
         bar.close()
     bal.flush()  # the last step's telemetry
-    out = {"rank": rank, "records": records, "peak": peak}
+    out = {"rank": rank, "records": records, "peak": peak, "process_cpu_s": time.process_time()}
     if rank == 0:
         out["telemetry"] = [t.to_dict() for t in telemetry]
         out["first_plan"] = first_plan
@@ -274,7 +274,17 @@ def format_report(rep: dict) -> str:
     u, b = rep["modes"]["unbalanced"], rep["modes"]["balanced"]
     c = rep["config"]
     bags = c["bags"] or f"g{rep['world']}n1"
-    lines = [
+    lines = []
+    other = rep.get("machine", {}).get("other_cpu_share", 0.0)
+    if other >= BUSY_MACHINE:  # lead with what the machine's load leaves meaningful
+        lines += [
+            f"NOTE: other processes used {other:.0%} of this machine's {rep['machine']['cpus']} CPUs during the "
+            "run, so its wall-clock times (step time, speedup) are the machine's, not the balancer's.",
+            f"What stays meaningful is the balance of each rank's own busy time: max/mean "
+            f"{u['busy_max_over_mean']:.3f} unbalanced -> {b['busy_max_over_mean']:.3f} balanced "
+            "(1.000 is perfect). Rerun on a quiet machine for the speedup.",
+        ]
+    lines += [
         f"model {c['model']}  ranks {rep['world']}  mix {c['mix']} (scale {c['scale']})  "
         f"bags {bags}  steps {c['steps']} (+{c['warmup']} warm-up)",
         f"{'':28s}{'unbalanced':>14s}{'balanced':>14s}",
@@ -390,8 +400,46 @@ def simulate(cfg: SimConfig) -> dict:
         return summarize(cfg, gathered)
     from knapformer.testing import run_distributed
 
+    before, own0, t0 = machine_busy_seconds(), time.process_time(), time.perf_counter()
     per_rank = run_distributed(_worker, cfg.ranks, cfg, timeout=3600, backend="gloo" if cfg.device == "cpu" else "nccl")
-    return summarize(cfg, per_rank)
+    after, wall = machine_busy_seconds(), time.perf_counter() - t0
+    rep = summarize(cfg, per_rank)
+    if before is not None and after is not None:
+        own = time.process_time() - own0 + sum(p.get("process_cpu_s", 0.0) for p in per_rank)
+        rep["machine"] = {
+            "cpus": os.cpu_count() or 1,
+            "other_cpu_share": other_cpu_share(after - before, own, wall, os.cpu_count() or 1),
+        }
+    return rep
+
+
+BUSY_MACHINE = 0.15
+"""Share of the machine's CPU time that other processes used during the run above which the
+report says that its wall-clock times are the machine's, not the balancer's."""
+
+
+def machine_busy_seconds() -> float | None:
+    """CPU seconds this machine has spent busy since boot, every CPU and every process (user,
+    nice, system, interrupts, and steal: time the hypervisor gave to other guests), from
+    ``/proc/stat``; None where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, *rest = (int(x) for x in fields[1:])
+    steal = rest[0] if rest else 0
+    return (user + nice + system + irq + softirq + steal) / (os.sysconf("SC_CLK_TCK") or 100)
+
+
+def other_cpu_share(busy_s: float, own_s: float, wall_s: float, cpus: int) -> float:
+    """The share of the machine's CPU time (``cpus`` × ``wall_s``) that went to anything but this
+    run (``own_s``: its processes' CPU seconds) while it ran: 0 on a quiet machine."""
+    if wall_s <= 0 or cpus <= 0:
+        return 0.0
+    return min(1.0, max(0.0, (busy_s - own_s) / (cpus * wall_s)))
 
 
 def run(args: argparse.Namespace) -> int:
