@@ -150,7 +150,7 @@ def _qwen_case(smoke: bool, odd: bool):
         samples=samples,
         stock=stock,
         packed=packed_qwenimage_forward,
-        seq_lens=lambda m, ss: qwenimage_seq_lens(ss),
+        seq_lens=lambda m, ss: qwenimage_seq_lens(m, ss),
         workload=qwenimage_workload,
         cp_problem=cp_problem,
         inputs=f"rank 0 / rank 1 token grids: {shapes}; QwenImageTransformer2DModel 2 layers, 4 heads × 32",

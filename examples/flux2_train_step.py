@@ -59,7 +59,7 @@ def sample(h, w, txt, ref=None):  # an h*w latent image, txt text tokens, option
 
 for step in range(2):
     samples = [sample(8, 8, 10), sample(4, 6, 3)] if dist.get_rank() == 0 else [sample(24, 24, 20, ref=(16, 16))]
-    bal.plan(flux2_seq_lens(samples))  # once per step: text + image + reference tokens per sample
+    bal.plan(flux2_seq_lens(model, samples))  # once per step: text + image + reference tokens per sample
     out = packed_flux2_forward(model, samples, bal)  # per-sample (T_img, C), original order
     targets = torch.randn(out.flat.shape, generator=g)
     err = ((out.flat - targets) ** 2).sum()

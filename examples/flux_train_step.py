@@ -47,7 +47,7 @@ def sample(h, w, txt):  # one image of h*w latent tokens + txt text tokens
 
 for step in range(2):
     samples = [sample(8, 8, 10), sample(4, 6, 3)] if dist.get_rank() == 0 else [sample(32, 32, 20)]
-    bal.plan(flux_seq_lens(samples))  # once per step: text + image tokens per sample
+    bal.plan(flux_seq_lens(model, samples))  # once per step: text + image tokens per sample
     out = packed_flux_forward(model, samples, bal)  # per-sample (T_img, C), original order
     targets = torch.randn(out.flat.shape, generator=g)
     err = ((out.flat - targets) ** 2).sum()

@@ -61,7 +61,7 @@ for step in range(2):
         samples = [sample(24, 32, 40, ref=(16, 16))]
     else:
         samples = [sample(8, 8, 12, pad=20), sample(6, 12, 7, pad=25), sample(16, 8, 30, pad=2)]
-    bal.plan(qwenimage_seq_lens(samples))  # once per step: kept text + image (+ reference) tokens
+    bal.plan(qwenimage_seq_lens(model, samples))  # once per step: kept text + image (+ reference) tokens
     outs = packed_qwenimage_forward(model, samples, bal)  # per-sample (T_img, 16), original order
     err = sum((((o - torch.randn(o.shape, generator=g)) ** 2).sum() for o in outs), 0 * outs.flat.sum())
     loss = global_mean_loss(err, sum(o.numel() for o in outs), gradients="sum")

@@ -135,7 +135,7 @@ def check_flux2_balanced(rank: int, world: int, case: str) -> dict:
     bal = SequenceBalancer(layout, WorkloadModel(d_model=16, num_heads=2), link="free")  # free: samples split
     mine = all_samples[rank]
     first = sum(len(r) for r in all_samples[:rank])
-    bal.plan(flux2_seq_lens(mine))
+    bal.plan(flux2_seq_lens(model, mine))
     outs = packed_flux2_forward(model, mine, bal)
     out_err = 0.0
     with torch.no_grad():

@@ -96,7 +96,7 @@ def check_flux_balanced(rank: int, world: int, layout: str, wrapper: str) -> dic
     bal = SequenceBalancer(layout, WorkloadModel(d_model=16), link="free")  # free: samples split
     mine = all_samples[rank]
     first = sum(len(r) for r in all_samples[:rank])
-    bal.plan(flux_seq_lens(mine))  # the step's one plan
+    bal.plan(flux_seq_lens(model, mine))  # the step's one plan
     outs = packed_flux_forward(model, mine, bal)
     with torch.no_grad():
         for o, s in zip(outs, mine):
@@ -163,7 +163,7 @@ def check_flux_edge_cases(rank: int, world: int) -> dict:
         bal = SequenceBalancer(layout, WorkloadModel(d_model=16), link="free")  # free: samples split
         mine = all_samples[rank]
         first = sum(len(r) for r in all_samples[:rank])
-        bal.plan(flux_seq_lens(mine))
+        bal.plan(flux_seq_lens(model, mine))
         outs = packed_flux_forward(model, mine, bal)
         with torch.no_grad():
             for o, s in zip(outs, mine):

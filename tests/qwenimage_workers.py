@@ -175,7 +175,7 @@ def check_qwen_cases(rank: int, world: int) -> dict:
         bal = SequenceBalancer(BalancerConfig(layout=layout, cost=qwenimage_workload(model), link=link))
         mine = per_rank[rank]
         first = len(per_rank[0]) if rank else 0
-        plan = bal.plan(qwenimage_seq_lens(mine))
+        plan = bal.plan(qwenimage_seq_lens(model, mine))
         outs = packed_qwenimage_forward(model, mine, bal)
         with torch.no_grad():
             out_err = max([rel(o, stock_forward(ref, s)) for o, s in zip(outs, mine)], default=0.0)
@@ -210,13 +210,13 @@ def _bad_sample_everywhere(rank: int) -> list:
             samples[0].latents = torch.randn(6, 5, dtype=torch.float64)
         if rank == 1 and case == "shapes":
             samples[0].img_shapes = [(1, 2, 2)]
-        bal.plan(qwenimage_seq_lens(samples))
+        bal.plan(qwenimage_seq_lens(model, samples))
         try:
             packed_qwenimage_forward(model, samples, bal)
             out.append(("ok", ""))
         except BalancerInputError as exc:
             out.append(("BalancerInputError", str(exc)))
         good = [make_sample(((1, 2, 2),), 1, seed=rank)]
-        bal.plan(qwenimage_seq_lens(good))
+        bal.plan(qwenimage_seq_lens(model, good))
         packed_qwenimage_forward(model, good, bal)[0].sum().backward()
     return out

@@ -85,7 +85,7 @@ def check_sd3_cases(rank: int, world: int) -> dict:
         bal = SequenceBalancer(BalancerConfig(layout="auto", cost=sd3_workload(model), link=link))
         mine = per_rank[rank]
         first = len(per_rank[0]) if rank else 0
-        plan = bal.plan(sd3_seq_lens(mine))
+        plan = bal.plan(sd3_seq_lens(model, mine))
         outs = packed_sd3_forward(model, mine, bal)
         with torch.no_grad():
             out_err = max([rel(o, stock_forward(ref, s)) for o, s in zip(outs, mine)], default=0.0)
@@ -120,13 +120,13 @@ def _bad_sample_everywhere(rank: int) -> list:
             samples[0].latents = torch.randn(4, 5, 6, dtype=torch.float64)
         if rank == 1 and case == "text":
             samples[0].text = torch.randn(2, 7, dtype=torch.float64)
-        bal.plan(sd3_seq_lens(samples))
+        bal.plan(sd3_seq_lens(model, samples))
         try:
             packed_sd3_forward(model, samples, bal)
             out.append(("ok", ""))
         except BalancerInputError as exc:
             out.append(("BalancerInputError", str(exc)))
         good = [make_sample(1, 2, 1, seed=rank)]
-        bal.plan(sd3_seq_lens(good))
+        bal.plan(sd3_seq_lens(model, good))
         packed_sd3_forward(model, good, bal)[0].sum().backward()
     return out

@@ -81,9 +81,10 @@ def test_bad_samples_name_the_sample_and_field(field, value, match):
 
     bad = W.make_sample(2, 2, 3, 1)
     setattr(bad, field, value.double())
-    assert len(sd3_seq_lens([bad])) == 1  # planning never raises: the forward names the sample
+    model = W.tiny()
+    assert len(sd3_seq_lens(model, [bad])) == 1  # planning never raises: the forward names the sample
     with pytest.raises(ValueError, match=match):
-        packed_sd3_forward(W.tiny(), [W.make_sample(2, 3, 2, 0), bad])
+        packed_sd3_forward(model, [W.make_sample(2, 3, 2, 0), bad])
 
 
 def test_dual_attention_layers_are_refused():
@@ -144,3 +145,23 @@ def test_the_tools_know_the_presets():
         )
     )
     assert rep["loss_match"] and rep["modes"]["balanced"]["plans_per_rank_step"] == 1
+
+
+def test_seq_lens_take_the_model_and_the_old_form_warns():
+    """Every family's lengths function takes the model first (issue 59, item 16): SD3's reads
+    the patch size from it, so a patch-1 model cannot be planned for a quarter of its tokens;
+    the old one-argument forms still work until 0.4, with a DeprecationWarning."""
+    from knapformer.integrations.flux import flux_seq_lens
+    from knapformer.integrations.sd3 import sd3_seq_lens
+
+    s = W.make_sample(4, 6, 3, 0)  # (8, 12) latents: 4 × 6 patches of 2, or 8 × 12 of 1
+    assert sd3_seq_lens(W.tiny(), [s]) == [4 * 6 + 3]
+    assert sd3_seq_lens(W.tiny(patch_size=1), [s]) == [8 * 12 + 3]
+    with pytest.raises(ValueError, match="differs from the model's"):
+        sd3_seq_lens(W.tiny(), [s], patch_size=1)
+    with pytest.warns(DeprecationWarning, match=r"sd3_seq_lens\(model, samples\)"):
+        assert sd3_seq_lens([s]) == [4 * 6 + 3]
+    with pytest.warns(DeprecationWarning):
+        assert sd3_seq_lens([s], 1) == sd3_seq_lens([s], patch_size=1) == [8 * 12 + 3]
+    with pytest.warns(DeprecationWarning, match=r"flux_seq_lens\(model, samples\)"):
+        assert flux_seq_lens([]) == []

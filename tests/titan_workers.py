@@ -125,7 +125,7 @@ def check_balanced(rank: int, world: int, case: str, wrapper: str) -> dict:
     bal = SequenceBalancer(layout, titan_flux_workload(model), link="free")  # free: samples split
     mine = every[rank]
     first = sum(len(r) for r in every[:rank])
-    plan = bal.plan(titan_flux_seq_lens(mine))
+    plan = bal.plan(titan_flux_seq_lens(model, mine))
     outs = packed_titan_flux_forward(model, mine, bal)
     with torch.no_grad():
         for o, s in zip(outs, mine):
@@ -154,7 +154,7 @@ def check_bad_sample(rank: int, world: int) -> str:
     if rank == 1:
         samples[0].text = samples[0].text[:, :-1]
     bal = SequenceBalancer("auto", titan_flux_workload(model), link="free")
-    bal.plan(titan_flux_seq_lens(samples))
+    bal.plan(titan_flux_seq_lens(model, samples))
     try:
         packed_titan_flux_forward(model, samples, bal)
     except BalancerInputError as exc:

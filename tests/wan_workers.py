@@ -189,7 +189,7 @@ def check_bad_sample_on_one_rank(rank: int, world: int) -> list:
     flux = F.tiny_flux(guidance=True)
     fbal = SequenceBalancer("g2n1", WorkloadModel(d_model=16))
     samples = [F.make_sample(2, 2, 2, seed=rank, guidance=rank == 0)]
-    fbal.plan(flux_seq_lens(samples))
+    fbal.plan(flux_seq_lens(flux, samples))
     try:
         packed_flux_forward(flux, samples, fbal)
         out.append(("ok", ""))

@@ -24,6 +24,7 @@ __all__ = [
     "diffusers_workload",
     "embed_latents",
     "grid_ids",
+    "model_and_samples",
     "require_diffusers",
     "square_image",
     "stack_scalars",
@@ -143,6 +144,23 @@ def through_root(model: torch.nn.Module, run: Callable[[], PackedOutput]) -> Pac
     res.__dict__.update(out.__dict__)
     res.flat = flat
     return res
+
+
+def model_and_samples(name: str, first, second) -> tuple[torch.nn.Module | None, object]:
+    """``(model, samples)`` of a ``<family>_seq_lens(model, samples)`` call. Every family's
+    lengths function takes the model first (a family whose lengths depend on its config, such
+    as SD3's patch size, then cannot be planned with the wrong one); the old one-argument form
+    ``(samples)`` of Flux, Flux.2, Qwen-Image, SD3 and torchtitan's Flux still works until 0.4,
+    with a ``DeprecationWarning`` (returns ``(None, samples)``)."""
+    if isinstance(first, torch.nn.Module):
+        return first, second
+    warnings.warn(
+        f"{name}(samples) is deprecated and goes in 0.4: pass the model first, {name}(model, samples), "
+        "as every family's lengths function takes it",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return None, first
 
 
 def call_block(model, block, *args):

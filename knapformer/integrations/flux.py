@@ -1,7 +1,7 @@
 """Packed, variable-length (and balanced) forward of a stock diffusers ``FluxTransformer2DModel``.
 
     from knapformer.integrations.flux import FluxSample, flux_seq_lens, packed_flux_forward
-    bal.plan(flux_seq_lens(samples))                        # once per step, like any model
+    bal.plan(flux_seq_lens(model, samples))                 # once per step, like any model
     outs = packed_flux_forward(model, samples, bal)          # list of (T_img_i, C) tensors
 
 Each sample brings its own resolution, text length, timestep, guidance and RoPE ids. Through
@@ -137,9 +137,15 @@ def flux_workload(model, *, gamma: float = 1.0):
     return seam.diffusers_workload(model, model.config.num_layers + model.config.num_single_layers, gamma)
 
 
-def flux_seq_lens(samples: Sequence[FluxSample]) -> list[int]:
+def flux_seq_lens(model, samples: Sequence[FluxSample] | None = None) -> list[int]:
     """Tokens of each sample as the packed forward lays them out (its text, then its image):
-    the lengths to plan the step with (0 for a malformed sample: the forward names it)."""
+    the lengths to plan the step with (0 for a malformed sample: the forward names it). The
+    old form ``flux_seq_lens(model, samples)`` is deprecated (``seam.model_and_samples``)."""
+    _, samples = seam.model_and_samples("flux_seq_lens", model, samples)
+    return _lengths(samples)
+
+
+def _lengths(samples: Sequence[FluxSample]) -> list[int]:
     return seam.safe_lens(lambda s: s.text.shape[0] + s.latents.shape[0], samples)
 
 
@@ -215,4 +221,4 @@ class FluxFamily(seam.PackedFamily):
     name = "diffusers-flux"
     presets = FLUX_PRESETS
     build_model, packed_forward = staticmethod(build_flux), staticmethod(packed_flux_forward)
-    synthetic, lengths = staticmethod(samples_from_batch), staticmethod(flux_seq_lens)
+    synthetic, lengths = staticmethod(samples_from_batch), staticmethod(_lengths)

@@ -1,7 +1,7 @@
 """Packed, variable-length (and balanced) forward of a stock diffusers ``Flux2Transformer2DModel``.
 
     from knapformer.integrations.flux2 import Flux2Sample, flux2_seq_lens, packed_flux2_forward
-    bal.plan(flux2_seq_lens(samples))                        # once per step, like any model
+    bal.plan(flux2_seq_lens(model, samples))                 # once per step, like any model
     outs = packed_flux2_forward(model, samples, bal)          # list of (T_img_i, C) tensors
 
 Each sample brings its own resolution, text length, timestep, guidance, RoPE ids and optional
@@ -124,10 +124,15 @@ def prepare_flux2(model) -> None:
     seam.install([b.attn for b in model.single_transformer_blocks], PackedFlux2ParallelProcessor)
 
 
-def flux2_seq_lens(samples: Sequence[Flux2Sample]) -> list[int]:
+def flux2_seq_lens(model, samples: Sequence[Flux2Sample] | None = None) -> list[int]:
     """Tokens of each sample as the packed forward lays them out (its text, its image, its
     reference tokens): the lengths to plan the step with (0 for a malformed sample: the
-    forward names it)."""
+    forward names it). The old form ``flux2_seq_lens(model, samples)`` is deprecated."""
+    _, samples = seam.model_and_samples("flux2_seq_lens", model, samples)
+    return _lengths(samples)
+
+
+def _lengths(samples: Sequence[Flux2Sample]) -> list[int]:
     return seam.safe_lens(lambda s: s.num_tokens, samples)
 
 
@@ -245,7 +250,7 @@ class Flux2Family(seam.PackedFamily):
     name = "diffusers-flux2"
     presets = FLUX2_PRESETS
     build_model, packed_forward = staticmethod(build_flux2), staticmethod(packed_flux2_forward)
-    synthetic, lengths = staticmethod(samples_from_batch), staticmethod(flux2_seq_lens)
+    synthetic, lengths = staticmethod(samples_from_batch), staticmethod(_lengths)
 
     def blocks(self, device, dtype, causal):
         """One stock double-stream and one single-stream block on packed tokens of the given

@@ -1,7 +1,7 @@
 """Packed, variable-length (and balanced) forward of a stock diffusers ``QwenImageTransformer2DModel``.
 
     from knapformer.integrations.qwenimage import QwenImageSample, packed_qwenimage_forward, qwenimage_seq_lens
-    bal.plan(qwenimage_seq_lens(samples))                  # once per step: text + image tokens per sample
+    bal.plan(qwenimage_seq_lens(model, samples))           # once per step: text + image tokens per sample
     outs = packed_qwenimage_forward(model, samples, bal)    # list of (T_img_i, C_out) tensors
 
 Each sample brings its own resolution, text (with its encoder mask, or unpadded), timestep and,
@@ -118,10 +118,16 @@ def qwenimage_workload(model, *, gamma: float = 1.0) -> WorkloadModel:
     return seam.diffusers_workload(model, model.config.num_layers, gamma)
 
 
-def qwenimage_seq_lens(samples: Sequence[QwenImageSample]) -> list[int]:
+def qwenimage_seq_lens(model, samples: Sequence[QwenImageSample] | None = None) -> list[int]:
     """Tokens of each sample as the packed forward lays them out (kept text, image, reference
     images): the lengths to plan the step with. Never raises for a malformed sample: the
-    forward reports it on every rank of the group."""
+    forward reports it on every rank of the group. The old form ``qwenimage_seq_lens(model, samples)``
+    is deprecated."""
+    _, samples = seam.model_and_samples("qwenimage_seq_lens", model, samples)
+    return _lengths(samples)
+
+
+def _lengths(samples: Sequence[QwenImageSample]) -> list[int]:
     return seam.safe_lens(lambda s: s.text_rows().numel() + s.latents.shape[0] + s.num_ref, samples)
 
 
@@ -255,7 +261,7 @@ class QwenImageFamily(seam.PackedFamily):
     name = "diffusers-qwenimage"
     presets = QWENIMAGE_PRESETS
     build_model, packed_forward = staticmethod(build_qwenimage), staticmethod(packed_qwenimage_forward)
-    synthetic, lengths = staticmethod(samples_from_batch), staticmethod(qwenimage_seq_lens)
+    synthetic, lengths = staticmethod(samples_from_batch), staticmethod(_lengths)
 
     def blocks(self, device, dtype, causal):
         """One stock block on packed tokens of the given lengths (an eighth of each sequence

@@ -1,7 +1,7 @@
 """Packed, variable-length (and balanced) forward of a stock diffusers ``SD3Transformer2DModel``.
 
     from knapformer.integrations.sd3 import SD3Sample, packed_sd3_forward, sd3_seq_lens
-    bal.plan(sd3_seq_lens(samples))                   # once per step: image + text tokens
+    bal.plan(sd3_seq_lens(model, samples))            # once per step: image + text tokens
     outs = packed_sd3_forward(model, samples, bal)     # list of (C, H, W) tensors
 
 Through the family seam (:mod:`knapformer.integrations.seam`), what is SD3's own: each
@@ -92,9 +92,21 @@ def _tokens(s: SD3Sample, p: int) -> int:
     return (s.latents.shape[1] // p) * (s.latents.shape[2] // p)
 
 
-def sd3_seq_lens(samples: Sequence[SD3Sample], patch_size: int = 2) -> list[int]:
-    """Tokens of each sample (its image patches, then its text): the lengths to plan with (0 for
-    a malformed sample: the forward names it)."""
+def sd3_seq_lens(model, samples: Sequence[SD3Sample] | None = None, patch_size: int | None = None) -> list[int]:
+    """Tokens of each sample (its image patches at the model's patch size, then its text): the
+    lengths to plan with (0 for a malformed sample: the forward names it). The old form
+    ``sd3_seq_lens(samples, patch_size=2)`` is deprecated: with a forgotten patch size a patch-1
+    model was planned for a quarter of its tokens."""
+    if not isinstance(model, torch.nn.Module):  # the old form: (samples[, patch_size])
+        patch = int(samples) if samples is not None else 2 if patch_size is None else int(patch_size)
+        _, samples = seam.model_and_samples("sd3_seq_lens", model, None)
+        return _lengths(samples, patch)
+    if patch_size is not None and int(patch_size) != model.config.patch_size:
+        raise ValueError(f"patch_size={patch_size} differs from the model's ({model.config.patch_size}): leave it out")
+    return _lengths(samples, model.config.patch_size)
+
+
+def _lengths(samples: Sequence[SD3Sample], patch_size: int) -> list[int]:
     return seam.safe_lens(lambda s: _tokens(s, patch_size) + s.text.shape[0], samples)
 
 
@@ -115,7 +127,7 @@ def _problem(model, samples: Sequence[SD3Sample]) -> str:
 
 def packed_sd3_forward(model, samples: Sequence[SD3Sample], executor: TokenExecutor | None = None) -> seam.PackedOutput:
     """Outputs (C, H, W) for each sample, in order; differentiable. ``executor``: a balancer
-    planned with ``sd3_seq_lens(samples)`` on every rank, a ``LocalExecutor``, or None."""
+    planned with ``sd3_seq_lens(model, samples)`` on every rank, a ``LocalExecutor``, or None."""
     return seam.through_root(model, lambda: _packed_sd3(model, samples, executor))
 
 
@@ -170,7 +182,7 @@ class SD3Family(seam.PackedFamily):
     synthetic = staticmethod(samples_from_batch)
 
     def seq_lens(self, samples):
-        return sd3_seq_lens(samples, self.config.patch_size)
+        return _lengths(samples, self.config.patch_size)
 
     def target_rows(self, samples):
         return [_tokens(s, self.config.patch_size) for s in samples]

@@ -1,7 +1,7 @@
 """Packed, variable-length (and balanced) forward of torchtitan's ``FluxModel``.
 
     from knapformer.integrations.torchtitan_flux import TitanFluxSample, titan_flux_seq_lens, packed_titan_flux_forward
-    bal.plan(titan_flux_seq_lens(samples))                 # once per step, like any model
+    bal.plan(titan_flux_seq_lens(model, samples))          # once per step, like any model
     outs = packed_titan_flux_forward(model, samples, bal)   # list of (T_img_i, C) tensors
 
 torchtitan (``torchtitan.models.flux``) trains Flux on padded, fixed-shape batches (one
@@ -253,9 +253,15 @@ def titan_flux_workload(model, *, gamma: float = 1.0):
     )
 
 
-def titan_flux_seq_lens(samples: Sequence[TitanFluxSample]) -> list[int]:
+def titan_flux_seq_lens(model, samples: Sequence[TitanFluxSample] | None = None) -> list[int]:
     """Tokens of each sample as the packed forward lays them out (its text, then its image):
-    the lengths to plan the step with (0 for a malformed sample: the forward names it)."""
+    the lengths to plan the step with (0 for a malformed sample: the forward names it). The
+    old form ``titan_flux_seq_lens(model, samples)`` is deprecated."""
+    _, samples = seam.model_and_samples("titan_flux_seq_lens", model, samples)
+    return _lengths(samples)
+
+
+def _lengths(samples: Sequence[TitanFluxSample]) -> list[int]:
     return seam.safe_lens(lambda s: s.text.shape[0] + s.latents.shape[0], samples)
 
 
@@ -397,4 +403,4 @@ class TitanFluxFamily(seam.PackedFamily):
     name = "torchtitan-flux"
     presets = TITAN_FLUX_PRESETS
     build_model, packed_forward = staticmethod(build_titan_flux), staticmethod(packed_titan_flux_forward)
-    synthetic, lengths = staticmethod(samples_from_batch), staticmethod(titan_flux_seq_lens)
+    synthetic, lengths = staticmethod(samples_from_batch), staticmethod(_lengths)
