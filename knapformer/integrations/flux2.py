@@ -165,7 +165,7 @@ def packed_flux2_forward(
     """Outputs (T_img_i, out_channels) for each sample, in order; differentiable.
 
     ``executor`` is a ``SequenceBalancer`` already planned for this step with
-    ``flux2_seq_lens(samples)`` (every rank of the group calls this function), a
+    ``flux2_seq_lens(model, samples)`` (every rank of the group calls this function), a
     ``LocalExecutor``, or None (attention within each sample on this process)."""
     return seam.through_root(model, lambda: _packed_flux2(model, samples, executor))
 

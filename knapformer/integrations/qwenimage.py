@@ -185,7 +185,7 @@ def packed_qwenimage_forward(
     """Outputs (T_img_i, patch²·out_channels) for each sample, in order; differentiable.
 
     ``executor`` is a ``SequenceBalancer`` already planned for this step with
-    ``qwenimage_seq_lens(samples)`` (every rank of the group calls this function), a
+    ``qwenimage_seq_lens(model, samples)`` (every rank of the group calls this function), a
     ``LocalExecutor``, or None (attention within each sample on this process)."""
     return seam.through_root(model, lambda: _packed_qwenimage(model, samples, executor))
 

@@ -288,7 +288,7 @@ def packed_titan_flux_forward(
     """Outputs (T_img_i, out_channels) for each sample, in order; differentiable.
 
     ``executor`` is a ``SequenceBalancer`` already planned for this step with
-    ``titan_flux_seq_lens(samples)`` (every rank of the group calls this function), a
+    ``titan_flux_seq_lens(model, samples)`` (every rank of the group calls this function), a
     ``LocalExecutor``, or None (attention within each sample on this process). A malformed
     sample raises on every rank of the balancer's group."""
     return seam.through_root(model, lambda: _packed_titan_flux(model, samples, executor))
