@@ -58,3 +58,28 @@ def test_packed_titan_attention_runs_the_mask_it_was_priced_for():
     attn(q, q, q)  # a stock call: the stock default, untouched
     attn(q, q, q, is_causal=True)
     assert stock_calls == [{}, {"is_causal": True}]
+
+
+@pytest.mark.parametrize("channels_first", [False, True])
+def test_patchify_is_unpatchifys_inverse(channels_first):
+    """``seam.patchify`` beside ``unpatchify`` (issue 59, item 12): images and videos of
+    several grids round-trip exactly, and the row layout is the stock one."""
+    from knapformer.integrations import seam
+
+    g = torch.Generator().manual_seed(0)
+    images = [torch.randn(3, 4, 6, generator=g), torch.randn(3, 2, 2, generator=g)]
+    rows, grids = seam.patchify(images, (2, 2), channels_first=channels_first)
+    assert grids == [(2, 3), (1, 1)] and rows.shape == (7, 12)
+    back = seam.unpatchify(rows, grids, (2, 2), channels_first=channels_first)
+    assert all(torch.equal(a, b) for a, b in zip(back, images))
+    videos = [torch.randn(5, 3, 4, 4, generator=g)]
+    rows, grids = seam.patchify(videos, (1, 2, 2), channels_first=channels_first)
+    assert grids == [(3, 2, 2)] and torch.equal(
+        seam.unpatchify(rows, grids, (1, 2, 2), channels_first=channels_first)[0], videos[0]
+    )
+    x = torch.arange(8.0).reshape(2, 2, 2)  # C = 2, one 2 × 2 patch
+    row = seam.patchify([x], (2, 2), channels_first=channels_first)[0][0]
+    want = x.flatten() if channels_first else x.permute(1, 2, 0).flatten()  # (C, p0, p1) or (p0, p1, C)
+    assert torch.equal(row, want)
+    with pytest.raises(ValueError, match="divisible"):
+        seam.patchify([torch.zeros(3, 5, 4)], (2, 2))

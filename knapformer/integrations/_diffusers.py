@@ -25,6 +25,7 @@ __all__ = [
     "embed_latents",
     "grid_ids",
     "model_and_samples",
+    "patchify",
     "require_diffusers",
     "square_image",
     "stack_scalars",
@@ -228,6 +229,32 @@ def square_image(s: BatchSample, width: int) -> tuple[torch.Tensor, int, int]:
     n = rows.shape[0]
     h = next(d for d in range(math.isqrt(n), 0, -1) if n % d == 0)
     return rows, h, n // h
+
+
+def patchify(
+    latents: Sequence[torch.Tensor], patch, *, channels_first: bool = False
+) -> tuple[torch.Tensor, list[tuple[int, ...]]]:
+    """Latents ``(C, g0·p0, g1·p1, ...)`` -> (token rows of every sample, one after another;
+    each sample's grid ``(g0, g1, ...)``): the inverse of :func:`unpatchify`, in its row layout
+    (row-major grid; a patch's values in ``(p0, p1, ..., C)`` order, or ``(C, p0, p1, ...)``
+    with ``channels_first``). For a family whose stock model patchifies inside ``forward``
+    (a ``Conv3d`` patch embedding runs on the latents as they are; this is for targets, and for
+    models that take packed patches). A side that the patch does not divide is an error."""
+    n, rows, grids = len(patch), [], []
+    g_axes = [1 + 2 * i for i in range(n)]
+    p_axes = [2 + 2 * i for i in range(n)]
+    order = g_axes + ([0, *p_axes] if channels_first else [*p_axes, 0])
+    for i, x in enumerate(latents):
+        c, *sides = x.shape
+        if len(sides) != n or any(s % p for s, p in zip(sides, patch)):
+            raise ValueError(
+                f"latents {i}: shape {tuple(x.shape)} is not (C, ...) with sides divisible by {tuple(patch)}"
+            )
+        grid = tuple(s // p for s, p in zip(sides, patch))
+        split = x.reshape(c, *(v for g, p in zip(grid, patch) for v in (g, p)))
+        rows.append(split.permute(order).reshape(math.prod(grid), -1))
+        grids.append(grid)
+    return (torch.cat(rows) if rows else torch.zeros(0, 0)), grids
 
 
 def unpatchify(rows: torch.Tensor, grids, patch, *, channels_first: bool = False) -> list[torch.Tensor]:
