@@ -22,7 +22,9 @@ them beyond, up to 8 nodes; each planned by the default solver, a layout skipped
 is already above the best static plan found, so the minimum is exact) priced by the cluster model.
 Columns: ``auto/static`` = auto's predicted step ÷ the best static layout's on that step
 (worst step and geometric mean over steps); ``auto/bound`` = auto's makespan ÷
-``PlanProblem.lower_bound``; plan ms = warm wall time of ``auto`` (one call on the first step
+``PlanProblem.lower_bound``; peak tokens = the busiest rank's routed tokens ÷ the mean tokens
+a rank loaded (activation memory follows it), worst step, for ``auto`` and the best static
+layout; plan ms = warm wall time of ``auto`` (one call on the first step
 first; per step the median of ``--repeats`` plans), median and worst over the steps, and the
 median process CPU time (what other processes' load does not inflate; this VM's own speed
 drifts, which the repeats' median damps). Predictions of the cost model, not GPU measurements.
@@ -95,6 +97,7 @@ def run_config(mix: str, model: str, gpus: int, num_steps: int, repeats: int = 3
     link = hw.link(shape, units_per_second=hw.flop_units_per_second)
     plan_sequences(steps[0], "auto", cost, link=link)  # warm-up
     ratios, bounds, ms, cpu, auto_s, static_s, layouts, per_rank = [], [], [], [], [], [], [], []
+    peaks, static_peaks = [], []  # the busiest rank's tokens ÷ the mean loaded per rank
     for lens in steps:
         walls, cpus = [], []
         for _ in range(repeats):  # this VM's speed drifts: the median of warm repeats per step
@@ -106,6 +109,9 @@ def run_config(mix: str, model: str, gpus: int, num_steps: int, repeats: int = 3
         cpu.append(statistics.median(cpus))
         a = predict_step(plan, shape, hw).step_s
         s, spec = best_static(lens, shape, hw, cost, link)
+        mean_tokens = float(np.mean([sum(r) for r in lens]))
+        peaks.append(float(plan.tokens_per_rank().max()) / mean_tokens)
+        static_peaks.append(float(plan_sequences(lens, spec, cost, link=link).tokens_per_rank().max()) / mean_tokens)
         ratios.append(a / s)
         bounds.append(plan.makespan / plan.lower_bound)
         auto_s.append(a)
@@ -123,6 +129,8 @@ def run_config(mix: str, model: str, gpus: int, num_steps: int, repeats: int = 3
         "auto/static_worst": max(ratios),
         "auto/static_geo": float(np.exp(np.mean(np.log(ratios)))),
         "auto/bound_worst": max(bounds),
+        "peak_tokens_auto": max(peaks),
+        "peak_tokens_static": max(static_peaks),
         "ms_median": statistics.median(ms),
         "ms_max": max(ms),
         "cpu_ms_median": statistics.median(cpu),
@@ -164,6 +172,8 @@ def main() -> None:
             ("auto/static_worst", ".4f"),
             ("auto/static_geo", ".4f"),
             ("auto/bound_worst", ".4f"),
+            ("peak_tokens_auto", ".2f"),
+            ("peak_tokens_static", ".2f"),
             ("ms_median", ".0f"),
             ("ms_max", ".0f"),
             ("cpu_ms_median", ".0f"),
