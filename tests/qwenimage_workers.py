@@ -7,7 +7,8 @@ import copy
 import math
 
 import torch
-import torch.distributed as dist
+
+from knapformer.testing import gradient_error, relative_error
 
 TINY = dict(
     patch_size=2,
@@ -84,34 +85,8 @@ def targets(samples, seed: int = 99):
     return [torch.randn(s.latents.shape[0], 8, generator=g, dtype=torch.float64) for s in samples]
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() if b.numel() else 0.0
-
-
-def grad_error(model, ref, world: int, skip: str = "") -> tuple[float, list[str]]:
-    """Worst error of the (all-reduced) gradients against the stock ones, relative to each
-    parameter's largest stock gradient but at least 1e-6 of the largest of all (a gradient that
-    is zero in exact arithmetic, e.g. a key bias under softmax, is rounding noise in both), inf
-    on a NaN; a parameter the stock run leaves without a gradient must get zeros. Also the
-    parameters without a gradient where the stock run has one. ``skip``: a name prefix left out."""
-    ref_p = {n: p for n, p in ref.named_parameters() if not (skip and n.startswith(skip))}
-    scale = max((p.grad.abs().max().item() for p in ref_p.values() if p.grad is not None), default=0.0)
-    missing, worst = [], 0.0
-    for name, p in model.named_parameters():
-        if name not in ref_p:
-            continue
-        r = ref_p[name].grad
-        if p.grad is None:
-            if r is not None:
-                missing.append(name)
-            continue
-        g = p.grad.full_tensor() * world if hasattr(p.grad, "full_tensor") else p.grad.clone()
-        if world > 1 and not hasattr(p.grad, "full_tensor"):
-            dist.all_reduce(g)
-        r = torch.zeros_like(g) if r is None else r
-        err = (g - r).abs().max().item() / max(r.abs().max().item(), 1e-6 * scale, 1e-300)
-        worst = max(worst, err if err == err else float("inf"))
-    return worst, missing
+rel = relative_error  # the shipped measures (knapformer.testing)
+grad_error = gradient_error
 
 
 OUT_TOL = 1e-12

@@ -63,6 +63,8 @@ from typing import Any
 
 import numpy as np
 
+from knapformer.plan.seqindex import concat_ranges
+
 __all__ = ["DEFAULT_BLOCK", "DEFAULT_WINDOW", "TokenBudgetBatchSampler", "pack_batches"]
 
 DEFAULT_WINDOW = 1 << 20
@@ -370,7 +372,7 @@ class TokenBudgetBatchSampler:
         packed per bucket under the budget, the batches in a random order (``[seed, epoch, 2, w]``)."""
         n, k = self.lengths.size, self.block
         starts = blocks.astype(np.int64) * k
-        idx = _ranges(starts, np.minimum(starts + k, n) - starts)
+        idx = concat_ranges(starts, np.minimum(starts + k, n) - starts)
         if self.shuffle:
             idx = idx[np.random.default_rng([self.seed, epoch, 1, w]).permutation(idx.size)]
         srt = np.argsort(idx, kind="stable")  # read the lengths (and buckets) block by block
@@ -651,15 +653,6 @@ class TokenBudgetBatchSampler:
             h.update(repr((self.max_tokens, self.max_samples, world, self.shuffle, self.drop_last)).encode())
         h.update(self.oversize.encode())
         return h.hexdigest()[:16]
-
-
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenate ``arange(s, s + l)`` for each pair, vectorised."""
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    offsets = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)
-    return np.arange(total, dtype=np.int64) + offsets
 
 
 def _pack_run(idx: np.ndarray, lens: np.ndarray, max_tokens: int, max_samples: int | None) -> list[list[int]]:

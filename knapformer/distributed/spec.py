@@ -37,18 +37,9 @@ import torch
 from knapformer.attention.bounds import to_device, upload
 from knapformer.distributed.exchange import Peers
 from knapformer.plan import Plan
-from knapformer.plan.seqindex import DST, LEN, SRC, START
+from knapformer.plan.seqindex import DST, LEN, SRC, START, concat_ranges
 
 __all__ = ["ChunkInfo", "GroupEntry", "RouteSpec", "build_route_spec", "concat_ranges"]
-
-
-def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenate ``arange(s, s + l)`` for each pair, vectorised."""
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    offsets = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)
-    return np.arange(total, dtype=np.int64) + offsets
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ __all__ = [
     "SRC",
     "START",
     "SeqIndex",
+    "concat_ranges",
     "group_arrays",
     "largest_group",
     "spread_over_groups",
@@ -181,3 +182,12 @@ def stable_order(keys: np.ndarray, bound: int | None = None) -> np.ndarray:
         order = order[np.argsort(digit, kind="stable")]
         shift += 16
     return order
+
+
+def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenate ``arange(s, s + l)`` for each pair, vectorised."""
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    offsets = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)
+    return np.arange(total, dtype=np.int64) + offsets
