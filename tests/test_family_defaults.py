@@ -83,3 +83,23 @@ def test_patchify_is_unpatchifys_inverse(channels_first):
     assert torch.equal(row, want)
     with pytest.raises(ValueError, match="divisible"):
         seam.patchify([torch.zeros(3, 5, 4)], (2, 2))
+
+
+def test_per_token_timesteps_take_their_own_rows():
+    """``seam.timestep_table`` / ``seam.per_token_rows`` (issue 59, item 12): tokens of a
+    sample with one timestep per token get ``embed`` of their own; the others their sample's
+    per-sample row."""
+    from knapformer.integrations import seam
+
+    ts = [torch.tensor(5.0, dtype=torch.float64), torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)]
+    first, per_token, tokens = seam.timestep_table(ts, [2, 3], "cpu")
+    assert first.tolist() == [5.0, 1.0] and per_token.tolist() == [False, True]
+    assert tokens.dtype == torch.float64 and tokens.tolist() == [5.0, 5.0, 1.0, 2.0, 3.0]
+    per_sample = first[:, None] * 10  # a sample's row: 10 × its first timestep
+    seq_id = torch.tensor([1, 0, 1, 1, 0])  # routed tokens in another order
+    routed_ts = torch.tensor([2.0, 5.0, 1.0, 3.0, 5.0], dtype=torch.float64)
+    (rows,) = seam.per_token_rows(seq_id, (per_sample,), per_token, routed_ts, lambda t: (t[:, None] * 100,))
+    assert rows[:, 0].tolist() == [200.0, 50.0, 100.0, 300.0, 50.0]
+    none = torch.tensor([False, False])
+    (rows,) = seam.per_token_rows(seq_id, (per_sample,), none, routed_ts, lambda t: (t[:, None],))
+    assert rows[:, 0].tolist() == [10.0, 50.0, 10.0, 10.0, 50.0]

@@ -18,11 +18,12 @@ with :func:`note_rows` instead.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PerSample", "expand_rows", "hook_norm", "note_rows"]
+__all__ = ["PerSample", "expand_rows", "hook_norm", "note_rows", "per_token_rows", "timestep_table"]
 
 _ROWS = "_knapformer_rows"
 _HOOKED = "_knapformer_hooked"
@@ -80,3 +81,37 @@ def hook_norm(norm, stream: str, linear: str = "linear") -> None:
     norm.register_forward_pre_hook(_pick(stream, linear), with_kwargs=True)
     getattr(norm, linear).register_forward_hook(expand_rows)
     setattr(norm, _HOOKED, True)
+
+
+def timestep_table(timesteps: Sequence, seq_lens: Sequence[int], device) -> tuple[torch.Tensor, ...]:
+    """Model-level AdaLN with per-token timesteps (Wan 2.2 TI2V, LTX-Video), at home: from each
+    sample's timestep — a scalar, or one per token — ``(first, per_token, tokens)``: each
+    sample's first timestep (S,) for its per-sample embedding, whether it has one per token
+    (S,) bool, and every token's timestep (T,) in float64, a side feature of the route that
+    arrives exact. The timesteps keep their precision (see ``stack_scalars``)."""
+    steps = [torch.as_tensor(t).reshape(-1) for t in timesteps]
+    tokens = torch.cat([t.expand(n) for t, n in zip(steps, seq_lens)]) if steps else torch.zeros(0)
+    first = torch.stack([t[0] for t in steps]) if steps else torch.zeros(0)
+    per_token = torch.tensor([t.numel() > 1 for t in steps], dtype=torch.bool, device=device)
+    return first.to(device), per_token, tokens.to(device, torch.float64)
+
+
+def per_token_rows(
+    seq_id: torch.Tensor,
+    per_sample: Sequence[torch.Tensor],
+    per_token: torch.Tensor,
+    timesteps: torch.Tensor,
+    embed: Callable[[torch.Tensor], Sequence[torch.Tensor]],
+) -> tuple[torch.Tensor, ...]:
+    """After routing: each routed token's conditioning rows — its sample's rows of each
+    ``per_sample`` tensor (``seq_id``: each token's sample, ``Routed.seq_id``), except for the
+    tokens of samples with per-token timesteps (``per_token``, gathered per sample), whose rows
+    ``embed(their routed timesteps)`` computes, as the stock models embed per-token timesteps.
+    Only routed tokens are embedded: no rank embeds a token it does not hold."""
+    rows = tuple(t.index_select(0, seq_id) for t in per_sample)
+    own = per_token.index_select(0, seq_id)
+    if bool(own.any()):
+        idx = torch.nonzero(own).flatten()
+        fresh = embed(timesteps.index_select(0, idx))
+        rows = tuple(t.index_copy(0, idx, f) for t, f in zip(rows, fresh))
+    return rows

@@ -254,24 +254,17 @@ def _packed_wan(model, samples: Sequence[WanSample], executor: TokenExecutor | N
         pos_local = torch.zeros(0, 3, dtype=torch.int64, device=device)
     # 2. conditioning at home: the time embedding once per sample (per token for per-token
     # timesteps, after routing, as the stock model does), text and image embedded
-    steps = [torch.as_tensor(s.timestep).reshape(-1) for s in samples]
-    ts_local = torch.cat([t.expand(n) for t, n in zip(steps, pk.seq_lens)]) if samples else torch.zeros(0)
+    first_t, per_token, ts_local = seam.timestep_table([s.timestep for s in samples], pk.seq_lens, device)
     text_local = torch.cat([s.text for s in samples]).to(device, dtype) if samples else torch.zeros(0, cfg.text_dim)
     text_local = model.condition_embedder.text_embedder(text_local.to(device, dtype)[None])[0]
-    first_t = torch.stack([t[0] for t in steps]) if samples else torch.zeros(0)
-    per_token = torch.tensor([t.numel() > 1 for t in steps], dtype=torch.bool, device=device)
-    temb_s, tproj_s = _time_embed(model, first_t.to(device), text_local)
+    temb_s, tproj_s = _time_embed(model, first_t, text_local)
     # 3. route tokens with their grid positions and timesteps; per-sample conditioning to the group
-    side = (pos_local, ts_local.to(device, torch.float64))
+    side = (pos_local, ts_local)
     r = pk.route(executor, x_local, *side, per_sample=(temb_s, tproj_s, per_token), names=_GATHERED)
     pos, ts_r = r.side
     temb_all, tproj_all, per_token_all = r.per_sample
-    temb, tproj = temb_all.index_select(0, r.seq_id), tproj_all.index_select(0, r.seq_id)
-    own = per_token_all.index_select(0, r.seq_id)  # routed tokens of per-token samples
-    if bool(own.any()):
-        rows = torch.nonzero(own).flatten()
-        temb_t, tproj_t = _time_embed(model, ts_r.index_select(0, rows), text_local)
-        temb, tproj = temb.index_copy(0, rows, temb_t), tproj.index_copy(0, rows, tproj_t)
+    embed = lambda t: _time_embed(model, t, text_local)  # noqa: E731
+    temb, tproj = seam.per_token_rows(r.seq_id, (temb_all, tproj_all), per_token_all, ts_r, embed)
     ex = r.executor
     text = ex.route_context(text_local, [int(s.text.shape[0]) for s in samples])
     image = None
