@@ -103,3 +103,25 @@ __all__ = [
     "groups_differ",
     "post_attn_wrong_rows",
 ]
+
+
+def min_tokens_route(rank: int, world: int) -> dict:
+    """``Packing.route(..., min_tokens=1)`` under a plan that leaves rank 1 without a token
+    (g1n2, rank 1 has no sample) raises the same error on every rank before any exchange, and
+    the next step (every rank holding tokens) routes; without ``min_tokens`` it routes."""
+    from knapformer.integrations.packing import Packing
+
+    bal = SequenceBalancer("g1n2", MODEL)
+    mine = [[5, 3], []][rank]
+    pk = Packing([(n,) for n in mine], {"x": (0,)}, "cpu")
+    h = torch.randn(sum(mine), 4, dtype=torch.float64)
+    out = {}
+    bal.plan(mine)
+    out["strict"] = _outcome(lambda: pk.route(bal, h, min_tokens=1))
+    bal.plan(mine)
+    out["default"] = _outcome(lambda: pk.route(bal, h))
+    both = [[5, 3], [4]][rank]
+    pk2 = Packing([(n,) for n in both], {"x": (0,)}, "cpu")
+    bal.plan(both)
+    out["all_hold"] = _outcome(lambda: pk2.route(bal, torch.randn(sum(both), 4, dtype=torch.float64), min_tokens=1))
+    return out

@@ -43,3 +43,22 @@ def test_groups_whose_members_disagree_are_refused_at_construction():
     for kind, msg in res:
         assert kind == "BalancerConfigError", msg
         assert "rank 0 passed the group [0, 1], but its member rank 1 passed [1]" in msg, msg
+
+
+def test_a_family_that_needs_tokens_on_every_rank_gets_one_error_on_every_rank():
+    """Issue 59, item 5: a stock block that reshapes per batch row (LTX-Video's) crashed on the
+    rank that routed no token while its peers waited. ``Packing.route(min_tokens=1)`` makes
+    that a ``BalancerInputError`` on every rank, before any exchange, naming the rank; a step
+    where every rank holds tokens routes. One process: the same check on its own tokens."""
+    import torch
+
+    from knapformer.distributed import BalancerInputError
+    from knapformer.integrations.packing import Packing
+
+    res = run_distributed(W.min_tokens_route, 2, timeout=120)
+    for r in res:
+        kind, msg = r["strict"]
+        assert kind == "BalancerInputError" and "rank(s) [1]" in msg and "min_tokens=1" in msg, r["strict"]
+        assert r["default"] == ("ok", "") and r["all_hold"] == ("ok", ""), r
+    with pytest.raises(BalancerInputError, match=r"rank\(s\) \[0\]"):
+        Packing([], {"x": (0,)}, "cpu").route(None, torch.zeros(0, 4), min_tokens=1)

@@ -83,17 +83,44 @@ class Packing:
         *side: torch.Tensor,
         per_sample: Sequence[torch.Tensor] = (),
         names: Sequence[str] = (),
+        min_tokens: int = 0,
     ) -> Routed:
         """Route the local tokens ``h`` (T, ...) and their side features (T, ...) to their
         planned ranks, and gather ``per_sample`` rows (S, ...) of every rank of the group
         (``names``: what each is, for error messages) together with the samples' segment
-        counts."""
+        counts. ``min_tokens``: for a family whose blocks cannot run on fewer routed tokens (a
+        stock block that reshapes per batch row with ``-1`` fails on zero rows): a plan that
+        leaves a rank fewer raises :class:`~knapformer.errors.BalancerInputError` here, on
+        every rank alike (each reads the step's plan), before any exchange — instead of one
+        rank crashing inside a block while its peers wait for it."""
         ex = self.executor(executor)
+        if min_tokens > 0:
+            _require_tokens(ex, self.seq_lens, int(min_tokens))
         routed = ex.route(h, *side, seq_lens=self.seq_lens)
         routed = routed if isinstance(routed, tuple) else (routed,)
         counts = self.counts.to(self.device)
         *gathered, counts_all = ex.gather_sequences(*per_sample, counts, names=(*names, "segment counts"))
         return Routed(ex, routed[0], tuple(routed[1:]), tuple(gathered), counts_all, self.streams, self)
+
+
+def _require_tokens(ex, seq_lens: Sequence[int], least: int) -> None:
+    """Raise if the step's plan leaves a rank fewer than ``least`` routed tokens (the same
+    verdict on every rank: the plan is the group's)."""
+    from knapformer.errors import BalancerInputError
+
+    try:
+        plan = ex.current_plan  # a balancer's step plan, the group's
+    except AttributeError:  # a one-process executor: only this process's tokens
+        plan = None
+    held = plan.tokens_per_rank().tolist() if plan is not None else [sum(seq_lens)]
+    short = [r for r, n in enumerate(held) if n < least]
+    if short:
+        raise BalancerInputError(
+            f"rank(s) {short} of the balancing group would hold fewer than {least} routed token(s) under this "
+            f"step's plan, and this family's blocks cannot run on fewer (min_tokens={least}); every rank raises "
+            "this before any exchange. Give every rank samples, or plan a layout that spreads the tokens over "
+            "every rank (e.g. one group of all of them)"
+        )
 
 
 class Routed:
