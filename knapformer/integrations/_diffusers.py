@@ -120,7 +120,8 @@ def through_root(model: torch.nn.Module, run: Callable[[], PackedOutput]) -> Pac
     torch.Tensor and DTensor"). The outputs leave the call as ``(per-sample list, flat)``, so the
     hooks see ``flat`` too: on a rank with no sample it is the only output, and a rank whose
     outputs carry no hook skips the root's backward all-gather that its peers make first (a
-    deadlock). Returns ``run()``'s output, holding the tensors the call returned."""
+    deadlock). Hooks of your own on the root run too, and see a call without arguments.
+    Returns ``run()``'s output, holding the tensors the call returned."""
     box: dict[str, PackedOutput] = {}
 
     def forward(*args, **kwargs):
