@@ -190,7 +190,7 @@ def embed_latents(embed, proj, latents: Sequence[torch.Tensor], device, dtype) -
 
 def stack_scalars(values, device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """(n,) from per-sample scalars (tensors or numbers), in ``dtype``; None keeps the values'
-    values' precision: float64 if any is, else float32. Timesteps keep theirs: the stock models
+    precision: float64 if any is, else float32. Timesteps keep theirs: the stock models
     embed an fp32 timestep in fp32, and rounding 998.7 to bf16 first gives 1000 — a different
     sinusoidal embedding. A family casts where its stock forward casts (Flux, Flux.2 and
     Qwen-Image cast timesteps to the hidden states' dtype)."""

@@ -136,15 +136,10 @@ def _block_forward(self, img, txt, vec, freqs_cis=None, text_mask=None, attn_par
     return x["img"], x["txt"]
 
 
-def _model_forward(self, *args, knapformer=None, **kwargs):
-    """The model's instance ``forward``: the packed forward when called with ``knapformer=(samples, executor)``."""
-    return type(self).forward(self, *args, **kwargs) if knapformer is None else _packed(self, *knapformer)
-
-
 def prepare_official(model) -> None:
-    """Replace the model's and each double block's ``forward`` on these instances only (the
-    inner module under a ``checkpoint_wrapper``); stock calls keep their behaviour. Idempotent."""
-    model.forward = types.MethodType(_model_forward, model)
+    """Replace each double block's ``forward`` on these instances only (the inner module under a
+    ``checkpoint_wrapper``); stock calls keep their behaviour. Idempotent. (The root's call is
+    ``seam.through_root``'s, for the packed call only.)"""
     for block in model.double_blocks:
         inner = getattr(block, "_checkpoint_wrapped_module", block)
         inner.forward = types.MethodType(_block_forward, inner)

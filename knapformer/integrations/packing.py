@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from knapformer.errors import BalancerInputError
 from knapformer.executor import LocalExecutor, TokenExecutor, local_positions
 
 __all__ = ["Packing", "Routed", "timing_tokens"]
@@ -106,8 +107,6 @@ class Packing:
 def _require_tokens(ex, seq_lens: Sequence[int], least: int) -> None:
     """Raise if the step's plan leaves a rank fewer than ``least`` routed tokens (the same
     verdict on every rank: the plan is the group's)."""
-    from knapformer.errors import BalancerInputError
-
     try:
         plan = ex.current_plan  # a balancer's step plan, the group's
     except AttributeError:  # a one-process executor: only this process's tokens
