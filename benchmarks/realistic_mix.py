@@ -24,7 +24,7 @@ Columns: ``auto/static`` = auto's predicted step ÷ the best static layout's on 
 (worst step and geometric mean over steps); ``auto/bound`` = auto's makespan ÷
 ``PlanProblem.lower_bound``; peak tokens = the busiest rank's routed tokens ÷ the mean tokens
 a rank loaded (activation memory follows it), worst step, for ``auto`` and the best static
-layout; plan ms = warm wall time of ``auto`` (one call on the first step
+layout, and the fullest rank's loaded tokens ÷ that mean (least over the steps); plan ms = warm wall time of ``auto`` (one call on the first step
 first; per step the median of ``--repeats`` plans), median and worst over the steps, and the
 median process CPU time (what other processes' load does not inflate; this VM's own speed
 drifts, which the repeats' median damps). Predictions of the cost model, not GPU measurements.
@@ -47,7 +47,7 @@ from knapformer.cluster import ModelShape, hardware, predict_step  # noqa: E402
 from knapformer.cluster.search import static_layouts  # noqa: E402
 from knapformer.data import dealt_steps, manifest_seq_lens, synthetic_manifest, tokenizer_for_model  # noqa: E402
 from knapformer.integrations.registry import model_config  # noqa: E402
-from knapformer.plan import PlanProblem, plan_sequences  # noqa: E402
+from knapformer.plan import PlanProblem, SolverOptions, plan_sequences  # noqa: E402
 from knapformer.plan.solvers.uniform import uniform_bound  # noqa: E402
 
 MIXES = ["realistic", "longtail", "video-heavy", "hires", "lowres-clips"]
@@ -89,20 +89,31 @@ def best_static(lens, shape, hw, cost, link) -> tuple[float, str]:
     return best, spec_best
 
 
-def run_config(mix: str, model: str, gpus: int, num_steps: int, repeats: int = 3, seed: int | None = None) -> dict:
+def run_config(
+    mix: str,
+    model: str,
+    gpus: int,
+    num_steps: int,
+    repeats: int = 3,
+    seed: int | None = None,
+    time_only: bool = False,
+    cap_loaded: bool = False,
+) -> dict:
     hw = hardware("h100")
     steps, context = steps_of(mix, model, gpus, num_steps, seed)
     shape = ModelShape.from_config(model_config(model)).with_context(context)
     cost = shape.workload()
     link = hw.link(shape, units_per_second=hw.flop_units_per_second)
-    plan_sequences(steps[0], "auto", cost, link=link)  # warm-up
+    opts = SolverOptions(peak_tolerance=None) if time_only else None  # (--time-only: no peak-token rule)
+    plan_sequences(steps[0], "auto", cost, link=link, options=opts)  # warm-up
     ratios, bounds, ms, cpu, auto_s, static_s, layouts, per_rank = [], [], [], [], [], [], [], []
-    peaks, static_peaks = [], []  # the busiest rank's tokens ÷ the mean loaded per rank
+    peaks, static_peaks, loaded = [], [], []  # the busiest rank's tokens ÷ the mean loaded per rank
     for lens in steps:
         walls, cpus = [], []
         for _ in range(repeats):  # this VM's speed drifts: the median of warm repeats per step
             t0, c0 = time.perf_counter(), time.process_time()
-            plan = plan_sequences(lens, "auto", cost, link=link)
+            cap = max(sum(r) for r in lens) if cap_loaded else None  # (--cap-loaded: the fullest rank's load)
+            plan = plan_sequences(lens, "auto", cost, link=link, options=opts, max_tokens_per_rank=cap)
             walls.append(1e3 * (time.perf_counter() - t0))
             cpus.append(1e3 * (time.process_time() - c0))
         ms.append(statistics.median(walls))
@@ -111,6 +122,7 @@ def run_config(mix: str, model: str, gpus: int, num_steps: int, repeats: int = 3
         s, spec = best_static(lens, shape, hw, cost, link)
         mean_tokens = float(np.mean([sum(r) for r in lens]))
         peaks.append(float(plan.tokens_per_rank().max()) / mean_tokens)
+        loaded.append(max(sum(r) for r in lens) / mean_tokens)
         static_peaks.append(float(plan_sequences(lens, spec, cost, link=link).tokens_per_rank().max()) / mean_tokens)
         ratios.append(a / s)
         bounds.append(plan.makespan / plan.lower_bound)
@@ -131,6 +143,7 @@ def run_config(mix: str, model: str, gpus: int, num_steps: int, repeats: int = 3
         "auto/bound_worst": max(bounds),
         "peak_tokens_auto": max(peaks),
         "peak_tokens_static": max(static_peaks),
+        "peak_tokens_loaded": min(loaded),
         "ms_median": statistics.median(ms),
         "ms_max": max(ms),
         "cpu_ms_median": statistics.median(cpu),
@@ -151,12 +164,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="warm plans per step (their median is quoted)")
     ap.add_argument("--seed", type=int, default=None, help="every mix's seed (default: realistic 0, held-out 1)")
     ap.add_argument("--out", default="runs/bench/realistic_mix.json")
+    ap.add_argument("--time-only", action="store_true", help="auto without the peak-token rule (peak_tolerance=None)")
+    ap.add_argument("--cap-loaded", action="store_true", help="max_tokens_per_rank = the most tokens a rank loaded")
     args = ap.parse_args()
     rows = []
     for mix in args.mixes:
         for model in args.models:
             for gpus in args.gpus:
-                rows.append(run_config(mix, model, gpus, args.steps, args.repeats, args.seed))
+                rows.append(
+                    run_config(mix, model, gpus, args.steps, args.repeats, args.seed, args.time_only, args.cap_loaded)
+                )
                 print(".", end="", flush=True)
     print()
     print_table(
@@ -174,12 +191,23 @@ def main() -> None:
             ("auto/bound_worst", ".4f"),
             ("peak_tokens_auto", ".2f"),
             ("peak_tokens_static", ".2f"),
+            ("peak_tokens_loaded", ".2f"),
             ("ms_median", ".0f"),
             ("ms_max", ".0f"),
             ("cpu_ms_median", ".0f"),
         ],
     )
-    write_json(args.out, rows, steps=args.steps, repeats=args.repeats, seed=args.seed, hardware="h100", budget=65_536)
+    write_json(
+        args.out,
+        rows,
+        steps=args.steps,
+        repeats=args.repeats,
+        seed=args.seed,
+        hardware="h100",
+        budget=65_536,
+        time_only=args.time_only,
+        cap_loaded=args.cap_loaded,
+    )
 
 
 if __name__ == "__main__":

@@ -62,7 +62,10 @@ class BalancerConfig:
     those links; ``"free"`` = communication costs nothing in the plan (what None meant before
     0.2.0). Bytes per value follow the tensors' dtype from the first step on."""
     max_tokens_per_rank: int | None = None
-    """Memory cap: no rank holds more routed tokens in a step. None = unlimited."""
+    """Memory cap: no rank holds more routed tokens in a step. None = no cap; layout ``auto``
+    then prefers, within 0.5% of its fastest plan, the one with the fewest tokens on its busiest
+    rank (``SolverOptions.peak_tolerance``), which bounds time-driven concentration but is not a
+    cap: set one when activation memory is tight (docs/data.md, "The two budgets")."""
     rank_speed: tuple[float, ...] | None = None
     """Relative throughput of each rank of the group (a 0.5 rank gets half the work)."""
     attn_path: str = "auto"

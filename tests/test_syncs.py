@@ -41,3 +41,27 @@ def test_the_counter_sees_a_host_read():
         varlen_attention(q, q, q, torch.tensor([0, 2, 5], dtype=torch.int32), 3)  # bounds built by hand
         q.tolist()  # the test's own read: not counted
     assert syncs.counts["call"] == 1, syncs.report()  # sdpa reads the unregistered bounds once
+
+
+def test_the_counter_sees_operators_whose_output_size_depends_on_values():
+    """``nonzero``, ``unique``, boolean-mask indexing, one-argument ``where``, ``masked_select``
+    and ``repeat_interleave`` with tensor repeats wait for the device on a GPU: counted when
+    knapformer's code calls them (a mutation check of the tool), not the sized forms."""
+    import torch
+
+    from knapformer.executor import local_positions
+    from knapformer.testing.syncs import SyncSites
+
+    with SyncSites() as syncs:
+        syncs.phase("sized")
+        local_positions([2, 3])  # repeat_interleave of tensor repeats, no output_size
+        syncs.phase("test's own")
+        x = torch.arange(5)
+        x.nonzero(), torch.unique(x), x[x > 2], torch.where(x > 1), x.masked_select(x > 0)
+    assert syncs.counts["sized"] >= 1, syncs.report()
+    assert "repeat_interleave" in syncs.report()
+    assert syncs.counts["test's own"] == 0, syncs.report()
+    before = (torch.nonzero, torch.unique, torch.Tensor.__getitem__, torch.Tensor.repeat_interleave)
+    with SyncSites():
+        assert torch.nonzero is not before[0]
+    assert (torch.nonzero, torch.unique, torch.Tensor.__getitem__, torch.Tensor.repeat_interleave) == before

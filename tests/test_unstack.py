@@ -57,7 +57,7 @@ def test_split_sequences_stacked_on_one_block_are_moved_apart(monkeypatch):
     for the ranks it exchanges with), ``auto`` no longer picks that candidate here: moving the
     split sequences apart joins more ranks into one synchronised set (1.27× the bound, against
     1.14× for the stacked candidate ``auto`` runs). What holds either way: ``auto`` runs the
-    least step of its candidates."""
+    least step of its candidates (within the 0.5% that fewer peak tokens may buy)."""
     seen = _moldable_candidates(monkeypatch)
     lens, model, link = longtail_step("diffusers-flux-dev", 512, 0)
     plan = plan_sequences(lens, "auto", model, link=link)
@@ -66,7 +66,8 @@ def test_split_sequences_stacked_on_one_block_are_moved_apart(monkeypatch):
     assert unstacked, "no unstacked candidate built"
     busy = min(p.time_after.max() for p in unstacked)
     assert busy <= 1.05 * plan.lower_bound, busy / plan.lower_bound
-    tol = 1 + PlanProblem(seq_lens=lens, layout="auto", model=model, link=link).options.tie_tolerance
+    opts = PlanProblem(seq_lens=lens, layout="auto", model=model, link=link).options
+    tol = 1 + max(opts.tie_tolerance, opts.peak_tolerance or 0)  # (fewer peak tokens within 0.5% may win)
     assert plan.makespan <= min(p.makespan for _, p in seen) * tol
     seen.clear()
     monkeypatch.setattr(moldable, "_UNSTACK_ABOVE", np.inf)

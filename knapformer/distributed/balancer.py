@@ -498,6 +498,14 @@ class SequenceBalancer:
             device = device.device
         return self._positions_eager(device)
 
+    def present_sequences(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(P,) group sequence ids with routed tokens here (ascending) and (R,) each routed
+        token's row among them; from the plan on the host, uploaded once per plan (no device
+        synchronisation)."""
+        _, spec = self._require_spec()
+        idx = spec.indices_on(torch.device("cpu") if device is None else torch.device(device))
+        return idx["present"], idx["slot"]
+
     def _positions_eager(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         _, spec = self._require_spec()
         if device is None:

@@ -187,6 +187,9 @@ class RouteSpec:
                 d["recv_index"] = to_device(self.recv_index, device)
                 d["recv_inverse"] = to_device(torch.argsort(self.recv_index), device)
             d["local_cu_seqlens"] = upload(np.cumsum([0, *self.local_seq_lens]), device)
+            present, slot = np.unique(self.routed_seq_id.numpy(), return_inverse=True)
+            d["present"] = to_device(torch.from_numpy(present.astype(np.int64)), device)
+            d["slot"] = to_device(torch.from_numpy(slot.reshape(-1).astype(np.int64)), device)
             self._device_cache[key] = d
         return self._device_cache[key]
 

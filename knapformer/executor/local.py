@@ -119,6 +119,13 @@ class LocalExecutor:
             device = device.device
         return local_positions(self.seq_lens, device)
 
+    def present_sequences(self, device=None):
+        """Every sequence with at least one token, and each token's row among them (host-built)."""
+        lens = np.asarray(self.seq_lens, dtype=np.int64)
+        present = np.flatnonzero(lens > 0)
+        slot = np.repeat(np.arange(present.size), lens[present])
+        return tuple(torch.from_numpy(a.astype(np.int64)).to(device, non_blocking=True) for a in (present, slot))
+
     def gather_sequences(self, *per_seq, names=None):
         self._raise_pending()
         return tuple(per_seq)

@@ -172,6 +172,21 @@ class RoutedContext:
     """Inverse permutation of ``q_order``."""
 
 
+def present_sequences(executor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(P,) the sequence ids (ascending) with routed tokens on this rank, and (R,) each routed
+    token's row among them, on ``like``'s device: what per-sample work (AdaLN modulation) runs
+    on, so that its cost follows the samples present here, not the group's. An executor that
+    has a ``present_sequences(device)`` method (the balancer, :class:`LocalExecutor`) builds
+    them on the host from its plan, with no device synchronisation; for any other,
+    ``torch.unique`` of the routed sequence ids (one synchronisation on a GPU)."""
+    own = getattr(executor, "present_sequences", None)
+    if own is not None and not torch.compiler.is_compiling():
+        return own(like.device)
+    seq_id, _ = executor.routed_positions(like)
+    present, slot = torch.unique(seq_id, sorted=True, return_inverse=True)
+    return present, slot
+
+
 def routed_context(rows: torch.Tensor, seq_ids, lens: Sequence[int], routed_seq_id) -> RoutedContext:
     """The :class:`RoutedContext` of context ``rows`` for sequences ``seq_ids`` (ascending) and
     this rank's routed queries (their sequence ids ``routed_seq_id``: best a host tensor or

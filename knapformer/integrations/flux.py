@@ -198,8 +198,10 @@ def _packed_flux(model, samples: Sequence[FluxSample], executor: TokenExecutor |
     # 2. route with the RoPE ids; the per-sample temb to the group
     r = pk.route(executor, pk.merge(txt_h, img_h), ids.to(torch.float64), per_sample=(temb,), names=("temb",))
     rope = model.pos_embed(r.side[0].index_select(0, r.joint)) if r.joint.numel() else None
-    txt_rows, img_rows = r.sample_of("txt"), r.sample_of("img")
-    st = seam.PerSample(r.per_sample[0], {"txt": txt_rows, "img": img_rows, "all": torch.cat([txt_rows, img_rows])})
+    # modulation per sample present here only (its FLOPs do not grow with the group)
+    txt_rows, img_rows = r.slot_of("txt"), r.slot_of("img")
+    temb_p = r.present_rows(r.per_sample[0])
+    st = seam.PerSample(temb_p, {"txt": txt_rows, "img": img_rows, "all": torch.cat([txt_rows, img_rows])})
     txt_s, img_s = r.take(r.h, "txt").unsqueeze(1), r.take(r.h, "img").unsqueeze(1)  # (T, 1, D)
     kw = {"packed": r}
     # 3. double blocks (stock forwards), then single blocks over all tokens in joint order

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from knapformer.errors import BalancerInputError
-from knapformer.executor import LocalExecutor, TokenExecutor, local_positions
+from knapformer.executor import LocalExecutor, TokenExecutor, local_positions, present_sequences
 
 __all__ = ["Packing", "Routed", "timing_tokens"]
 
@@ -144,7 +144,7 @@ class Routed:
             self.rows[name] = torch.nonzero(mine).flatten()
         self.joint = torch.cat(list(self.rows.values()))  # joint row j is routed row joint[j]
         self.inv = _inverse(self.joint)  # routed row i is joint row inv[i]
-        self.present, self.slot = torch.unique(self.seq_id, sorted=True, return_inverse=True)
+        self.present, self.slot = present_sequences(executor, h)  # host-built: no device sync
         self._sizes = {name: int(r.numel()) for name, r in self.rows.items()}
 
     def count(self, stream: str) -> int:

@@ -146,7 +146,8 @@ def _packed_sd3(model, samples: Sequence[SD3Sample], executor: TokenExecutor | N
     temb = model.time_text_embed(seam.stack_scalars([s.timestep for s in samples], device), pooled)
     # 2. route; the per-sample temb to the group
     r = pk.route(executor, pk.merge(img, txt), per_sample=(temb,), names=("temb",))
-    st = seam.PerSample(r.per_sample[0], {"img": r.sample_of("img"), "txt": r.sample_of("txt")})
+    # modulation per sample present here only (its FLOPs do not grow with the group)
+    st = seam.PerSample(r.present_rows(r.per_sample[0]), {"img": r.slot_of("img"), "txt": r.slot_of("txt")})
     img_s, txt_s = r.take(r.h, "img").unsqueeze(1), r.take(r.h, "txt").unsqueeze(1)  # (T, 1, D)
     # 3. the stock joint blocks (the last one returns no text)
     for block in model.transformer_blocks:

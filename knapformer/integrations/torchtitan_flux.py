@@ -321,10 +321,12 @@ def _packed_titan_flux(
     # a rank with no routed token still runs every block (each attention is collective): on one
     # zero image token with a zero vec (the stock RoPE cannot reshape zero tokens)
     pad = int(joint.numel() == 0)
-    per_sample = torch.cat([vec_all, vec_all.new_zeros(pad, vec_all.shape[1])])
-    stand_in = torch.full((pad,), vec_all.shape[0], dtype=seq_id.dtype, device=device)
-    sample_txt = seq_id.index_select(0, r_txt)
-    sample_img = torch.cat([seq_id.index_select(0, r_img), stand_in])
+    # modulation per sample present here only (its FLOPs do not grow with the group)
+    vec_p = r.present_rows(vec_all)
+    per_sample = torch.cat([vec_p, vec_p.new_zeros(pad, vec_p.shape[1])])
+    stand_in = torch.full((pad,), vec_p.shape[0], dtype=seq_id.dtype, device=device)
+    sample_txt = r.slot_of("txt")
+    sample_img = torch.cat([r.slot_of("img"), stand_in])
     packed = PackedVec(
         per_sample=per_sample,
         rows={"txt": sample_txt, "img": sample_img, "all": torch.cat([sample_txt, sample_img])},

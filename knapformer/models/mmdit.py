@@ -24,6 +24,7 @@ Legend: T local tokens, R routed tokens, S sequences (group), D width, H heads.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,7 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from knapformer.executor import LocalExecutor, TokenExecutor, local_positions
+from knapformer.executor import LocalExecutor, TokenExecutor, local_positions, present_sequences
 from knapformer.model_configs import MMDiTConfig
 from knapformer.models.layers import RMSNorm, apply_rope, merge_streams, modulate, split_streams, timestep_embedding
 
@@ -42,7 +43,7 @@ __all__ = ["MMDiTConfig", "MMDiT", "TokenMeta", "token_meta"]
 class TokenMeta:
     """Per routed token bookkeeping, built once per forward."""
 
-    seq_id: torch.Tensor  # (R,) group sequence id
+    seq_id: torch.Tensor  # (R,) each token's row of the blocks' conditioning table (group sequence id, or its slot)
     pos: torch.Tensor  # (R,) position within the sequence
     idx_txt: torch.Tensor  # rows of text tokens
     idx_img: torch.Tensor  # rows of image tokens
@@ -163,6 +164,10 @@ class MMDiT(nn.Module):
         h = ex.route(_linear_by_stream(x_TI, meta_l, self.txt_in, self.img_in), seq_lens=seq_lens)
         seq_id, pos = ex.routed_positions(h)
         meta = token_meta(seq_id, pos, txt_all)
+        # modulation runs on the samples present here only (its cost follows them, not the
+        # group's sample count): the blocks index conditioning rows by each token's slot
+        present, slot = present_sequences(ex, h)
+        c_SD, meta = c_SD.index_select(0, present), dataclasses.replace(meta, seq_id=slot)
         # 3. blocks
         for block in self.blocks:
             h = block(h, c_SD, meta, ex)

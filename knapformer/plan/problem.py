@@ -142,13 +142,20 @@ class SolverOptions:
     """Plans within this relative makespan count as tied; the one moving fewer tokens wins."""
     bnb_nodes: int = 20_000
     """Node budget of the branch and bound on small inputs (a count, not a clock: all ranks agree)."""
+    peak_tolerance: float | None = 0.005
+    """Layout ``auto`` without ``max_tokens_per_rank`` (a cap set takes its place): among plans
+    within this relative makespan of the fastest, the one holding the fewest tokens on its
+    busiest rank wins, and no plan holds more than the most tokens any rank loaded or than the
+    fastest fixed-layout plan considered holds (whichever is more; ``plan/solvers/moldable.py``),
+    so that balancing does not buy speed with activation memory. None = time only (before 0.3.0:
+    the busiest rank could hold 2× the mean tokens where static Ulysses held 1.2×)."""
 
     def __post_init__(self) -> None:
         for name in ("max_iters", "bnb_nodes"):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < 0):
                 raise ValueError(f"SolverOptions.{name} must be an int >= 0, got {v!r}")
-        for name in ("stop_gap", "tie_tolerance"):
+        for name in ("stop_gap", "tie_tolerance", "peak_tolerance"):
             v = getattr(self, name)
             if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"SolverOptions.{name} must be a finite number >= 0, got {v!r}")

@@ -3,11 +3,13 @@
 On a GPU, reading a device tensor's values on the host (``tolist``, ``item``, ``cpu``,
 ``int(t)``, ``bool(t)``), a blocking copy (``.to(device)`` without ``non_blocking=True``) and
 creating a tensor on a device from host data (``torch.tensor(..., device=...)``, a pageable
-copy) each make the host wait for the device: the GPU's queue drains, and the next kernel
-launch waits for Python. On CPU all of these are free, so a CPU test cannot feel them — but it
-can count the calls. :class:`SyncSites` patches those entry points while it is active and
-counts every call made from knapformer's own code (callers outside the package, such as the
-test's model, are not counted), by phase::
+copy) each make the host wait for the device, and so does every operator whose output size
+depends on the values (``nonzero``, ``unique``, ``masked_select``, indexing by a boolean mask,
+``repeat_interleave`` with tensor repeats and no ``output_size``, one-argument ``where``): the
+GPU's queue drains, and the next kernel launch waits for Python. On CPU all of these are free,
+so a CPU test cannot feel them — but it can count the calls. :class:`SyncSites` patches those
+entry points while it is active and counts every call made from knapformer's own code (callers
+outside the package, such as the test's model, are not counted), by phase::
 
     with SyncSites() as syncs:
         syncs.phase("plan");    bal.plan(lens)
@@ -100,7 +102,43 @@ class SyncSites:
             return orig_tensor(*a, **k)
 
         torch.tensor = tensor
+        self._patch_sized()
         return self
+
+    def _patch_sized(self) -> None:
+        """Operators whose output size the device must compute before the host can go on."""
+        T = torch.Tensor
+
+        def counted(owner, name: str, when=lambda *a, **k: True) -> None:
+            orig = getattr(owner, name)
+            self._saved[(owner, name)] = orig
+
+            def wrapped(*a, _orig=orig, _name=name, **k):
+                if when(*a, **k):
+                    self._hit(_name)
+                return _orig(*a, **k)
+
+            setattr(owner, name, wrapped)
+
+        for name in ("nonzero", "masked_select"):
+            counted(torch, name)
+            counted(T, name)
+        counted(torch, "unique")  # (Tensor.unique calls it)
+        counted(torch, "unique_consecutive")
+        counted(torch, "where", lambda *a, **k: len(a) + len(k) == 1)
+
+        def tensor_repeats(*a, **k) -> bool:
+            repeats = k.get("repeats", a[1] if len(a) > 1 else a[0] if len(a) == 1 else None)
+            return isinstance(repeats, torch.Tensor) and k.get("output_size") is None
+
+        counted(torch, "repeat_interleave", tensor_repeats)
+        counted(T, "repeat_interleave", tensor_repeats)
+
+        def bool_index(t, index) -> bool:
+            parts = index if isinstance(index, tuple) else (index,)
+            return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in parts)
+
+        counted(T, "__getitem__", bool_index)
 
     def __exit__(self, *exc) -> None:
         T = torch.Tensor
@@ -108,6 +146,10 @@ class SyncSites:
             setattr(T, name, self._saved[name])
         T.to = self._saved["to"]
         torch.tensor = self._saved["tensor"]
+        for key, orig in self._saved.items():
+            if isinstance(key, tuple):
+                setattr(key[0], key[1], orig)
+        self._saved.clear()
 
     def report(self) -> str:
         """Every counted site, by phase (for assertion messages)."""
