@@ -18,16 +18,19 @@ across, 1% sync jitter, 50% of peak).
 
 Per step: ``auto`` (the moldable planner, no time budget) and every static uniform layout
 (``knapformer.cluster.search.static_layouts``: k-rank Ulysses groups inside a node, rings of
-them beyond, up to 8 nodes; each planned by the default solver, a layout skipped when its lower bound
-is already above the best static plan found, so the minimum is exact) priced by the cluster model.
-Columns: ``auto/static`` = auto's predicted step ÷ the best static layout's on that step
-(worst step and geometric mean over steps); ``auto/bound`` = auto's makespan ÷
-``PlanProblem.lower_bound``; peak tokens = the busiest rank's routed tokens ÷ the mean tokens
-a rank loaded (activation memory follows it), worst step, for ``auto`` and the best static
-layout, and the fullest rank's loaded tokens ÷ that mean (least over the steps); plan ms = warm wall time of ``auto`` (one call on the first step
-first; per step the median of ``--repeats`` plans), median and worst over the steps, and the
-median process CPU time (what other processes' load does not inflate; this VM's own speed
-drifts, which the repeats' median damps). Predictions of the cost model, not GPU measurements.
+them beyond, up to 8 nodes; each planned by the default solver, a layout skipped when its lower
+bound is already above the best static plan found, so the minimum is exact) priced by the
+cluster model. Columns: ``auto/static`` = auto's predicted step ÷ the best static layout's on
+that step (worst step and geometric mean over steps); ``auto/bound`` = auto's makespan ÷
+``PlanProblem.lower_bound``; peak tokens = the busiest rank's routed tokens ÷ the mean tokens a
+rank loaded (activation memory follows it), worst step, for ``auto`` and the best static
+layout, and the fullest rank's loaded tokens ÷ that mean (least over the steps); plan ms = warm
+wall time of ``auto`` (one call on the first step first; per step the median of ``--repeats``
+plans), median and worst over the steps, and the median process CPU time (what other processes'
+load does not inflate; this VM's own speed drifts, which the repeats' median damps); ``inline``
+= the same ratio when each step is planned inline (``bal.plan``): auto's median plan time added
+to its step, the static layout's own planning (timed once) to its — worst and geometric mean.
+Predictions of the cost model, not GPU measurements.
 """
 
 from __future__ import annotations
@@ -107,6 +110,7 @@ def run_config(
     opts = SolverOptions(peak_tolerance=None) if time_only else None  # (--time-only: no peak-token rule)
     plan_sequences(steps[0], "auto", cost, link=link, options=opts)  # warm-up
     ratios, bounds, ms, cpu, auto_s, static_s, layouts, per_rank = [], [], [], [], [], [], [], []
+    static_ms, inline = [], []  # planned inline: each step's planning added to both (issue 57)
     peaks, static_peaks, loaded = [], [], []  # the busiest rank's tokens ÷ the mean loaded per rank
     for lens in steps:
         walls, cpus = [], []
@@ -120,10 +124,14 @@ def run_config(
         cpu.append(statistics.median(cpus))
         a = predict_step(plan, shape, hw).step_s
         s, spec = best_static(lens, shape, hw, cost, link)
+        t0 = time.perf_counter()  # the static layout's own planning (lpt over its bags), timed once
+        static_plan = plan_sequences(lens, spec, cost, link=link)
+        static_ms.append(1e3 * (time.perf_counter() - t0))
         mean_tokens = float(np.mean([sum(r) for r in lens]))
         peaks.append(float(plan.tokens_per_rank().max()) / mean_tokens)
         loaded.append(max(sum(r) for r in lens) / mean_tokens)
-        static_peaks.append(float(plan_sequences(lens, spec, cost, link=link).tokens_per_rank().max()) / mean_tokens)
+        static_peaks.append(float(static_plan.tokens_per_rank().max()) / mean_tokens)
+        inline.append((a + ms[-1] / 1e3) / (s + static_ms[-1] / 1e3))
         ratios.append(a / s)
         bounds.append(plan.makespan / plan.lower_bound)
         auto_s.append(a)
@@ -141,6 +149,9 @@ def run_config(
         "auto/static_worst": max(ratios),
         "auto/static_geo": float(np.exp(np.mean(np.log(ratios)))),
         "auto/bound_worst": max(bounds),
+        "inline_worst": max(inline),
+        "inline_geo": float(np.exp(np.mean(np.log(inline)))),
+        "static_ms_median": statistics.median(static_ms),
         "peak_tokens_auto": max(peaks),
         "peak_tokens_static": max(static_peaks),
         "peak_tokens_loaded": min(loaded),
@@ -189,12 +200,15 @@ def main() -> None:
             ("auto/static_worst", ".4f"),
             ("auto/static_geo", ".4f"),
             ("auto/bound_worst", ".4f"),
+            ("inline_worst", ".4f"),
+            ("inline_geo", ".4f"),
             ("peak_tokens_auto", ".2f"),
             ("peak_tokens_static", ".2f"),
             ("peak_tokens_loaded", ".2f"),
             ("ms_median", ".0f"),
             ("ms_max", ".0f"),
             ("cpu_ms_median", ".0f"),
+            ("static_ms_median", ".0f"),
         ],
     )
     write_json(

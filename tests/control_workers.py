@@ -63,6 +63,7 @@ def count_family_syncs(rank: int, world: int) -> dict:
         steps = [([39, 19], [33]), ([28], [23, 19]), ([39, 19], [])]  # (text 3 + whole patch grids)
         with SyncSites() as syncs:
             for step, lens in enumerate(steps):
+                syncs.phase(f"inputs {step}")  # (the synthetic batch's conversion: not the forward)
                 inputs = _inputs(family, lens[rank], rank, step)
                 syncs.phase(f"plan {step}")
                 bal.plan(inputs.seq_lens)

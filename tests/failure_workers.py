@@ -163,7 +163,7 @@ def case_use_plan_differs(rank, world, bal):
 def case_planner_differs_debug_off(rank, world, bal):
     """Every rank plans from the same gathered lengths, but rank 0's planner differs (e.g. float
     sums on another CPU type): the first exchange after planning raises PlanMismatchError."""
-    import knapformer.distributed.balancer as B
+    import knapformer.plan.planner as B  # (the solve every balancer runs: Planner.__call__)
     from knapformer.plan import build_plan
 
     real = B.get_solver

@@ -222,3 +222,23 @@ def test_cluster_reports_ring_groups(capsys):
     assert main([*args[:-5], "--bags", "auto:noring", "--steps", "1", "--quiet", "--json"]) == 0
     row = json.loads(capsys.readouterr().out)["rows"][1]
     assert row["largest_group"] <= 24 and row["rings"] == ""  # Ulysses over the 24 heads at most
+
+
+def test_the_control_plane_is_on_the_predicted_step_when_planning_inline():
+    """Issue 57: ``predict_step(control_s=...)`` adds the control plane's seconds to every rank
+    (so to the step); ``evaluate(planning="inline")`` adds each step's measured plan time,
+    ``"ahead"`` (the default) nothing; bad values raise."""
+    steps = [[[5, 3], [9, 1, 1], [2], []]]
+    problem = PlanProblem(seq_lens=steps[0], layout="g2n2", model=WorkloadModel(d_model=2))
+    plan = build_plan(problem, np.array([0, 0, 1, 1, 1, 0]), solver="hand")
+    off, on = predict_step(plan, SHAPE, HW), predict_step(plan, SHAPE, HW, control_s=0.25)
+    assert on.control_s == 0.25 and np.allclose(on.rank_s, off.rank_s + 0.25)
+    assert on.step_s == pytest.approx(off.step_s + 0.25)
+    with pytest.raises(ValueError, match="control_s"):
+        predict_step(plan, SHAPE, HW, control_s=-1.0)
+    ahead = evaluate(steps, "g2n2", SHAPE, HW)
+    inline = evaluate(steps, "g2n2", SHAPE, HW, planning="inline")
+    assert inline.step_s == pytest.approx(ahead.step_s + inline.plan_ms / 1e3, rel=1e-9)
+    assert inline.plan_ms > 0
+    with pytest.raises(ValueError, match="planning"):
+        evaluate(steps, "g2n2", SHAPE, HW, planning="later")

@@ -76,3 +76,11 @@ def test_own_dit_matches_per_sample_math_in_fp64(ranks):
     found = re.findall(line, proc.stdout)
     assert [step for step, _, _ in found] == ["0", "1"], proc.stdout[-2000:]
     assert max(float(x) for _, *errs in found for x in errs) < 1e-10, proc.stdout[-2000:]
+
+
+def test_plans_ahead_example_trains_with_plans_made_in_dataloader_workers():
+    """examples/plans_ahead_train.py: the token-budget sampler's steps planned in 2 DataLoader
+    worker processes per rank, run with use_plan on 2 ranks for 2 epochs."""
+    proc = _torchrun("plans_ahead_train.py", 2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "epoch 1 step 0: global mean loss" in proc.stdout and "plan made ahead in" in proc.stdout, proc.stdout

@@ -49,17 +49,21 @@ def test_the_counter_sees_operators_whose_output_size_depends_on_values():
     knapformer's code calls them (a mutation check of the tool), not the sized forms."""
     import torch
 
-    from knapformer.executor import local_positions
+    from knapformer.executor import present_sequences
     from knapformer.testing.syncs import SyncSites
+
+    class Bare:  # an executor without a host-built present_sequences: torch.unique of its ids
+        def routed_positions(self, like):
+            return torch.tensor([0, 0, 2]), torch.tensor([0, 1, 0])
 
     with SyncSites() as syncs:
         syncs.phase("sized")
-        local_positions([2, 3])  # repeat_interleave of tensor repeats, no output_size
+        present, slot = present_sequences(Bare(), torch.zeros(3))
         syncs.phase("test's own")
         x = torch.arange(5)
         x.nonzero(), torch.unique(x), x[x > 2], torch.where(x > 1), x.masked_select(x > 0)
-    assert syncs.counts["sized"] >= 1, syncs.report()
-    assert "repeat_interleave" in syncs.report()
+    assert present.tolist() == [0, 2] and slot.tolist() == [0, 0, 1]
+    assert syncs.counts["sized"] == 1 and "unique at knapformer.executor.protocol" in syncs.report(), syncs.report()
     assert syncs.counts["test's own"] == 0, syncs.report()
     before = (torch.nonzero, torch.unique, torch.Tensor.__getitem__, torch.Tensor.repeat_interleave)
     with SyncSites():

@@ -152,10 +152,15 @@ class StepPrediction:
     wait_s: np.ndarray | float = 0.0
     """(S,) seconds a rank waits at its exchanges for the slowest rank of its synchronised set,
     segment by segment (:mod:`knapformer.plan.sync`; 0 for a rank that exchanges with nobody)."""
+    control_s: float = 0.0
+    """Seconds of the control plane on the step's critical path, every rank alike: the
+    planner's measured time when the step is planned inline (``bal.plan``), 0 when it was
+    planned ahead (``knapformer.data.PlannedSteps``)."""
 
     @property
     def rank_s(self) -> np.ndarray:
-        return self.compute_s + self.route_s + self.ulysses_s + self.ring_s + self.sync_s + self.fixed_s + self.wait_s
+        parts = self.compute_s + self.route_s + self.ulysses_s + self.ring_s + self.sync_s + self.fixed_s
+        return parts + self.wait_s + self.control_s
 
     @property
     def step_s(self) -> float:
@@ -209,11 +214,15 @@ def predict_step(
     fixed_s: float = 0.0,
     rank_speed=None,
     attn_backend: str = "auto",
+    control_s: float = 0.0,
 ) -> StepPrediction:
     """Per-rank prediction for a balanced step under ``plan`` (ranks = global GPU ids); with
     ``rank_speed`` a rank of speed s computes 1/s as fast. ``attn_backend="sdpa_mask"`` prices
     attention as the dense block-diagonal call it is (every pair of a rank's attention tokens of
-    one degree), the other backends as per-sequence work."""
+    one degree), the other backends as per-sequence work. ``control_s``: the control plane's
+    seconds on the critical path (planning inline: the plan's ``plan_seconds``; ahead: 0)."""
+    if not (isinstance(control_s, (int, float)) and not isinstance(control_s, bool) and control_s >= 0):
+        raise ValueError(f"control_s must be seconds >= 0, got {control_s!r}")
     S = plan.num_ranks
     feats = _masked(plan.features(), plan) if attn_backend == "sdpa_mask" else plan.features()
     compute = _compute_seconds(feats, shape, hw, profile) / _speeds(rank_speed, S)
@@ -252,7 +261,7 @@ def predict_step(
     wait = synced_times(sync_sets(plan.groups, plan.seq_group, S), segments) - sum(segments)
     lens = plan.index.lengths
     flops = _model_flops(lens, shape)
-    return StepPrediction(compute, route, ulysses, sync, flops, int(lens.sum()), fixed_s, ring, wait)
+    return StepPrediction(compute, route, ulysses, sync, flops, int(lens.sum()), fixed_s, ring, wait, float(control_s))
 
 
 def _ring_seconds(comm, link, attn_per_layer: np.ndarray) -> np.ndarray:

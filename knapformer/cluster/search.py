@@ -105,12 +105,18 @@ def evaluate(
     rank_speed: Sequence[float] | None = None,
     attn_backend: str = "auto",
     progress: bool = False,
+    planning: str = "ahead",
 ) -> LayoutResult:
     """Mean prediction over sampled steps. ``balancer`` is the balancer's configuration (its
     layout, planning cost model, solver, cap, rank speeds), a layout spec (planned with the
     default config: ``profile`` or the paper form with γ=1), or ``"none"`` for plain data
     parallel (then ``rank_speed`` gives the GPUs' speeds). Compute time comes from ``profile``
-    (a calibrated profile's seconds) if given, else from FLOPs."""
+    (a calibrated profile's seconds) if given, else from FLOPs. ``planning``: ``"ahead"`` (plans
+    made before the step needs them, ``knapformer.data.PlannedSteps``: nothing on the critical
+    path) or ``"inline"`` (``bal.plan`` on the training loop: each step adds its plan's time as
+    measured here — this machine's CPU, not the cluster's)."""
+    if planning not in ("ahead", "inline"):
+        raise ValueError(f"planning must be 'ahead' or 'inline', got {planning!r}")
     if isinstance(balancer, str) and balancer != "none":
         balancer = default_config(shape, balancer, profile)
     if isinstance(balancer, BalancerConfig):
@@ -154,9 +160,17 @@ def evaluate(
         used = set(plan.seq_group.tolist())
         largest = max([largest] + [len(plan.groups[b]) for b in used])
         rings |= {(int(plan.rings[b]), len(plan.groups[b]) // int(plan.rings[b])) for b in used if plan.rings[b] > 1}
+        control = plan_ms[-1] / 1e3 if planning == "inline" else 0.0
         preds.append(
             predict_step(
-                plan, shape, hw, profile=profile, fixed_s=fixed_s, rank_speed=rank_speed, attn_backend=attn_backend
+                plan,
+                shape,
+                hw,
+                profile=profile,
+                fixed_s=fixed_s,
+                rank_speed=rank_speed,
+                attn_backend=attn_backend,
+                control_s=control,
             )
         )
     s = [p.summary(hw) for p in preds]
@@ -230,9 +244,11 @@ def search_layouts(
     allow_cross_node: bool = False,
     fixed_s: float = 0.0,
     progress: bool = False,
+    planning: str = "ahead",
 ) -> tuple[LayoutResult, list[LayoutResult], LayoutResult]:
     """(best, all candidates sorted by step time, the 'none' baseline). Every candidate layout
-    is planned with ``balancer``'s other settings (its own layout is ignored)."""
+    is planned with ``balancer``'s other settings (its own layout is ignored); ``planning`` as
+    :func:`evaluate` takes it."""
     num_gpus = len(steps[0])
     if balancer is None:
         balancer = default_config(shape, f"g1n{num_gpus}", profile)
@@ -250,7 +266,7 @@ def search_layouts(
     specs = candidate_layouts(num_gpus, shape.heads, hw.gpus_per_node, allow_cross_node=allow_cross_node)
     for spec in _bar(specs, "layouts", progress):
         cfg = dataclasses.replace(balancer, layout=spec)
-        r = evaluate(steps, cfg, shape, hw, profile=profile, fixed_s=fixed_s)
+        r = evaluate(steps, cfg, shape, hw, profile=profile, fixed_s=fixed_s, planning=planning)
         r.speedup = base.step_s / r.step_s
         results.append(r)
     results.sort(key=lambda r: (r.step_s, r.bags))

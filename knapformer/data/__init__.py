@@ -5,7 +5,8 @@ Main API: :data:`MIXES`, :func:`sample_seq_lens`, :func:`sample_batches`, :func:
 :class:`TokenBudgetBatchSampler`, :func:`read_manifest`, :data:`TOKENIZERS`,
 :func:`synthetic_manifest`, :class:`ShardedManifest` and :class:`ParquetShards` (datasets in
 Parquet shards: :mod:`knapformer.data.shards`) (numpy only; Parquet needs pyarrow); :class:`PackedCollate` and
-:func:`knapformer.data.batches.make_batch` build torch tensors (imported on use).
+:func:`knapformer.data.batches.make_batch` build torch tensors (imported on use), and so does
+:class:`PlannedSteps` (each step with its plan, made ahead in a DataLoader worker).
 """
 
 from typing import TYPE_CHECKING
@@ -26,6 +27,7 @@ from knapformer.data.synthetic import MANIFEST_MIXES, synthetic_manifest
 from knapformer.data.tokenizers import TOKENIZERS, Tokenizer, tokenizer, tokenizer_for_model
 
 if TYPE_CHECKING:  # for type checkers and the API reference; needs torch, imported on use
+    from knapformer.data.ahead import PlannedStep, PlannedSteps
     from knapformer.data.collate import PackedCollate
 
 __all__ = [
@@ -35,6 +37,8 @@ __all__ = [
     "DataCode",
     "Manifest",
     "PackedCollate",
+    "PlannedStep",
+    "PlannedSteps",
     "ParquetShards",
     "ShardedManifest",
     "TokenBudgetBatchSampler",
@@ -62,4 +66,8 @@ def __getattr__(name: str):
         from knapformer.data.collate import PackedCollate
 
         return PackedCollate
+    if name in ("PlannedStep", "PlannedSteps"):  # (torch's DataLoader types)
+        from knapformer.data import ahead
+
+        return getattr(ahead, name)
     raise AttributeError(f"module 'knapformer.data' has no attribute {name!r}")

@@ -317,6 +317,14 @@ class TokenBudgetBatchSampler:
 
     # -- the Sampler protocol -----------------------------------------------------------------------------
     def __iter__(self) -> Iterator[list[int]]:
+        for step in self.iter_steps():
+            yield step[self.rank]
+
+    def iter_steps(self) -> Iterator[list[list[int]]]:
+        """The current pass's steps, every rank's batch of each (``step[r]``: rank r's), from
+        where the pass starts (a resume included), window by window for a large dataset: what
+        :meth:`__iter__` yields this rank's part of. Every process can so know every rank's
+        lengths for a step without a gather (plans made ahead: :class:`knapformer.data.PlannedSteps`)."""
         start = self._start if self._resumed_epoch == self.epoch else 0
         resume = self._resume if self._resumed_epoch == self.epoch else None
         self._start, self._resumed_epoch, self._resume = 0, None, None  # a resume applies to one pass only
@@ -324,7 +332,7 @@ class TokenBudgetBatchSampler:
         if not self.windowed:
             for step in self.steps()[start:]:
                 self._yielded += 1
-                yield step[self.rank]
+                yield step
             return
         # window by window: (window, steps before it, the batches carried into it), then skip to `start`
         if resume is None:
@@ -339,7 +347,7 @@ class TokenBudgetBatchSampler:
                 continue
             if steps >= start:
                 self._yielded += 1
-                yield step[self.rank]
+                yield step
             steps += 1
 
     def __len__(self) -> int:

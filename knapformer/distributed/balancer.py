@@ -61,12 +61,12 @@ from knapformer.distributed.compiled import eager_only
 from knapformer.distributed.exchange import warm_up
 from knapformer.distributed.link_probe import measure_link
 from knapformer.distributed.settings import agree_settings, asked_group, resolve_groups
-from knapformer.distributed.spec import RouteSpec, build_route_spec
+from knapformer.distributed.spec import RouteSpec, prepared_spec
 from knapformer.errors import BalancerConfigError, BalancerInputError, InvalidPlanError, PlanMismatchError
 from knapformer.executor.opaque import attend, owner_handle
 from knapformer.executor.protocol import RoutedContext, VarlenArgs, context_tensors
 from knapformer.layout import AutoLayout, BagLayout
-from knapformer.plan import Plan, PlanProblem, get_solver
+from knapformer.plan import Plan, Planner
 from knapformer.plan.cost import LinkModel
 from knapformer.plan.memory import gathered_memory
 from knapformer.plan.problem import ValidLens, validate_lengths
@@ -198,6 +198,25 @@ class SequenceBalancer:
         cfg = self._loop.planning
         return cfg if cfg.link is not None else dataclasses.replace(cfg, link="free")
 
+    def planner(self) -> Planner:
+        """What :meth:`plan` solves with now, as a picklable :class:`~knapformer.plan.Planner`:
+        ``planner(every_rank_lengths)`` is the plan ``plan`` would make from those lengths, in
+        any process (a DataLoader worker, ahead of the step: :class:`knapformer.data.PlannedSteps`);
+        run it with :meth:`use_plan`. A snapshot: take a new one when the planning settings
+        change (``recalibrate``'s fits; ``attn_path="auto"`` after the first ``pre_attn`` call)."""
+        cfg = self._loop.planning
+        return Planner(
+            layout=cfg.layout,
+            cost=cfg.cost,  # type: ignore[arg-type]
+            solver=cfg.solver,
+            max_tokens_per_rank=cfg.max_tokens_per_rank,
+            rank_speed=cfg.rank_speed,
+            options=cfg.solver_options,
+            link=cfg.link,
+            kv_gather=self._kv_gather,
+            time_budget_s=cfg.time_budget_s,
+        )
+
     def online_model(self) -> WorkloadModel:
         """The cost model the next plan uses (the online fit's, with ``recalibrate``); save it
         with ``WorkloadModel.save`` to start another job from it (a profile)."""
@@ -234,23 +253,12 @@ class SequenceBalancer:
         flat = gather_ints(control, lens, counts, "plan").tolist()
         offsets = np.concatenate([[0], np.cumsum(counts)]).tolist()
         all_lens = ValidLens(tuple(flat[offsets[r] : offsets[r + 1]]) for r in range(S))
-        cfg = self._loop.planning
-        problem = PlanProblem(  # lengths were validated on their own ranks and agreed above
-            seq_lens=all_lens,
-            layout=cfg.layout,
-            model=cfg.cost,
-            max_tokens_per_rank=cfg.max_tokens_per_rank,
-            rank_speed=cfg.rank_speed,
-            options=cfg.solver_options,
-            link=cfg.link,
-            kv_gather=self._kv_gather,
-        )
-        try:
-            plan = get_solver(cfg.solver)(problem, time_budget_s=cfg.time_budget_s)
+        try:  # (lengths validated on their own ranks and agreed above; the planner any process can run)
+            plan = self.planner()(all_lens)
         except ValueError as exc:  # e.g. an infeasible memory cap: the same on every rank
             self._drop_plan()
             raise BalancerInputError(f"SequenceBalancer.plan: {exc}") from exc
-        self._adopt(plan, build_route_spec(plan, self.group_rank), agreed=False)
+        self._adopt(plan, prepared_spec(plan, self.group_rank), agreed=False)
         if self.debug:
             self._checks.agree("plan digest")
         self._loop.start_step(plan, self.num_plans)
@@ -284,7 +292,7 @@ class SequenceBalancer:
             if plan.num_ranks != self.layout.group_size:
                 raise ValueError(f"plan has {plan.num_ranks} ranks, the balancing group {self.layout.group_size}")
             plan.validate()
-            spec = build_route_spec(plan, self.group_rank)
+            spec = prepared_spec(plan, self.group_rank)
         except (TypeError, ValueError) as exc:
             error = f"{type(exc).__name__}: {exc}"
         self._checks.new_step(digest62(plan.digest()) if spec is not None else 0, agreed=False)
@@ -469,14 +477,19 @@ class SequenceBalancer:
         indexable by ``routed_positions()[0]``. A rank gets the rows of its own sequences and
         of every sequence it holds tokens of (all a routed token can index); the other rows
         are zero. Differentiable; one exchange per dtype, with the owners and holders of those
-        sequences only. Use it for conditioning (timestep/AdaLN vectors, text lengths)."""
+        sequences only. Use it for conditioning (timestep/AdaLN vectors, text lengths); rows on
+        the host (CPU tensors) are exchanged on the host, even beside a GPU data group."""
         plan, spec = self._require_spec()
         n_local = len(plan.seq_lens[self.group_rank])
         peers = ops.sequence_rows_peers(spec, plan).peers
         per_seq, verdict, skip = self._checks.once("gather_sequences", per_seq, n_local, names=names, peers=peers)
         if verdict == SKIP:
             return tuple(self._skipped(per_seq, plan.index.num_seqs))
-        return tuple(ops.gather_sequences(per_seq, spec, plan, self.group, skip))
+        # host rows (counts, lengths) travel over the host control group: on the data group's
+        # device they would cost a copy there and a read back (a device synchronisation)
+        on_host = bool(per_seq) and all(t.device.type == "cpu" for t in per_seq)
+        group = self._checks.control if on_host else self.group
+        return tuple(ops.gather_sequences(per_seq, spec, plan, group, skip))
 
     @eager_only
     def route_context(self, context: torch.Tensor, lens: Sequence[int]) -> RoutedContext:

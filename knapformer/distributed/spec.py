@@ -39,7 +39,7 @@ from knapformer.distributed.exchange import Peers
 from knapformer.plan import Plan
 from knapformer.plan.seqindex import DST, LEN, SRC, START, concat_ranges
 
-__all__ = ["ChunkInfo", "GroupEntry", "RouteSpec", "build_route_spec", "concat_ranges"]
+__all__ = ["ChunkInfo", "GroupEntry", "RouteSpec", "build_route_spec", "concat_ranges", "prepared_spec"]
 
 
 @dataclass(frozen=True)
@@ -216,6 +216,16 @@ def _ring_blocks(ch, gid, grp, g: int, members, seqs: np.ndarray, r: int):
             mine.append((start, n))
     blocks = tuple(tuple(int(x) for x in row) for row in out)
     return blocks, tuple(tuple(tuple(q) for q in row) for row in runs)
+
+
+def prepared_spec(plan: Plan, rank: int) -> RouteSpec:
+    """:func:`build_route_spec`, kept on the plan (per rank) for the next call: a plan made
+    ahead in a DataLoader worker carries this rank's spec, built there, to the training loop
+    (:class:`knapformer.data.PlannedSteps`), which then builds nothing on its critical path."""
+    cache = plan.__dict__.setdefault("_route_specs", {})
+    if rank not in cache:
+        cache[rank] = build_route_spec(plan, rank)
+    return cache[rank]
 
 
 def build_route_spec(plan: Plan, rank: int) -> RouteSpec:

@@ -32,11 +32,11 @@ __all__ = ["LocalExecutor", "local_positions"]
 
 def local_positions(seq_lens: Sequence[int], device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(seq id, position) of each token of sequences packed in order."""
-    lens = torch.as_tensor(list(seq_lens), dtype=torch.int64)
-    seq_id = torch.repeat_interleave(torch.arange(lens.numel()), lens)
-    starts = torch.cumsum(lens, 0) - lens
-    pos = torch.arange(int(lens.sum())) - starts[seq_id]
-    return seq_id.to(device), pos.to(device)
+    lens = np.asarray(list(seq_lens), dtype=np.int64)
+    seq_id = np.repeat(np.arange(lens.size), lens)
+    pos = np.arange(int(lens.sum())) - (np.cumsum(lens) - lens)[seq_id]
+    # built on the host and uploaded without waiting for the device
+    return tuple(torch.from_numpy(a).to(device, non_blocking=True) for a in (seq_id, pos))  # type: ignore[return-value]
 
 
 class LocalExecutor:

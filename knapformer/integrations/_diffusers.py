@@ -175,7 +175,11 @@ def call_block(model, block, *args):
 
 def cat_or_empty(parts, empty_shape, device, dtype) -> torch.Tensor:
     """``torch.cat(parts)`` on ``device``/``dtype``, or zeros of ``empty_shape`` for no parts."""
-    t = torch.cat([p.to(device) for p in parts]) if parts else torch.zeros(empty_shape, device=device)
+    t = (
+        torch.cat([p.to(device, non_blocking=True) for p in parts])
+        if parts
+        else torch.zeros(empty_shape, device=device)
+    )
     return t if dtype is None else t.to(dtype)
 
 
@@ -184,7 +188,7 @@ def embed_latents(embed, proj, latents: Sequence[torch.Tensor], device, dtype) -
     module with a positional crop per size gets each sample's own), concatenated; with none,
     ``proj`` (its convolution) runs on no input, so a rank without samples gets its gradients."""
     if latents:
-        return torch.cat([embed(x[None].to(device, dtype))[0] for x in latents])
+        return torch.cat([embed(x[None].to(device, dtype, non_blocking=True))[0] for x in latents])
     return proj(torch.zeros(0, proj.in_channels, *proj.kernel_size, device=device, dtype=dtype)).flatten(1)
 
 
@@ -199,7 +203,9 @@ def stack_scalars(values, device, dtype: torch.dtype | None = None) -> torch.Ten
         dtype = torch.float64 if wide else torch.float32
     if not values:
         return torch.zeros(0, device=device, dtype=dtype)
-    return torch.stack([torch.as_tensor(v).reshape(()) for v in values]).to(device=device, dtype=dtype)
+    return torch.stack([torch.as_tensor(v).reshape(()) for v in values]).to(
+        device=device, dtype=dtype, non_blocking=True
+    )
 
 
 @dataclass(frozen=True)

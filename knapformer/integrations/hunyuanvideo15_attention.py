@@ -114,7 +114,7 @@ def refine_text(model, rows: list[torch.Tensor], ts: torch.Tensor, device, dtype
     lens = [int(r.shape[0]) for r in rows]
     x = seam.cat_or_empty(rows, (0, ce.proj_in.in_features), device, dtype)
     seg, _ = local_positions(lens, device)
-    counts = torch.tensor(lens, device=device, dtype=dtype).clamp(min=1)
+    counts = torch.tensor(lens, dtype=dtype).clamp(min=1).to(device, non_blocking=True)
     pooled = x.new_zeros(len(rows), x.shape[1]).index_add(0, seg, x) / counts[:, None]
     h = ce.proj_in(x).unsqueeze(1)  # (T_txt, 1, D)
     temb = seam.PerSample(ce.time_text_embed(ts, pooled), {"txt": seg})

@@ -87,13 +87,14 @@ def timestep_table(timesteps: Sequence, seq_lens: Sequence[int], device) -> tupl
     """Model-level AdaLN with per-token timesteps (Wan 2.2 TI2V, LTX-Video), at home: from each
     sample's timestep — a scalar, or one per token — ``(first, per_token, tokens)``: each
     sample's first timestep (S,) for its per-sample embedding, whether it has one per token
-    (S,) bool, and every token's timestep (T,) in float64, a side feature of the route that
-    arrives exact. The timesteps keep their precision (see ``stack_scalars``)."""
+    (S,) bool *on the host* (gather it with ``executor.gather_sequences``, which exchanges host
+    rows on the host), and every token's timestep (T,) in float64, a side feature of the route
+    that arrives exact. The timesteps keep their precision (see ``stack_scalars``)."""
     steps = [torch.as_tensor(t).reshape(-1) for t in timesteps]
     tokens = torch.cat([t.expand(n) for t, n in zip(steps, seq_lens)]) if steps else torch.zeros(0)
     first = torch.stack([t[0] for t in steps]) if steps else torch.zeros(0)
-    per_token = torch.tensor([t.numel() > 1 for t in steps], dtype=torch.bool, device=device)
-    return first.to(device), per_token, tokens.to(device, torch.float64)
+    per_token = torch.tensor([t.numel() > 1 for t in steps], dtype=torch.bool)  # on the host
+    return first.to(device, non_blocking=True), per_token, tokens.to(device, torch.float64, non_blocking=True)
 
 
 def per_token_rows(
@@ -107,9 +108,13 @@ def per_token_rows(
     ``per_sample`` tensor (``seq_id``: each token's sample, ``Routed.seq_id``), except for the
     tokens of samples with per-token timesteps (``per_token``, gathered per sample), whose rows
     ``embed(their routed timesteps)`` computes, as the stock models embed per-token timesteps.
-    Only routed tokens are embedded: no rank embeds a token it does not hold."""
+    Only routed tokens are embedded: no rank embeds a token it does not hold. With ``per_token``
+    on the host and no sample of per-token timesteps, this costs no device synchronisation
+    (with some, finding their tokens does: one)."""
     rows = tuple(t.index_select(0, seq_id) for t in per_sample)
-    own = per_token.index_select(0, seq_id)
+    if per_token.device.type == "cpu" and not per_token.numpy().any():  # (host flags: no sync)
+        return rows
+    own = per_token.to(seq_id.device, non_blocking=True).index_select(0, seq_id)
     if bool(own.any()):
         idx = torch.nonzero(own).flatten()
         fresh = embed(timesteps.index_select(0, idx))

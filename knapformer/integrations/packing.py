@@ -20,24 +20,32 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 
+from knapformer.attention.bounds import to_device
 from knapformer.errors import BalancerInputError
 from knapformer.executor import LocalExecutor, TokenExecutor, local_positions, present_sequences
 
 __all__ = ["Packing", "Routed", "timing_tokens"]
 
 
-def _inverse(order: torch.Tensor) -> torch.Tensor:
-    inv = torch.empty_like(order)
-    inv[order] = torch.arange(order.numel(), device=order.device)
+def _inverse(order: np.ndarray) -> np.ndarray:
+    inv = np.empty_like(order)
+    inv[order] = np.arange(order.size)
     return inv
+
+
+def _up(a: np.ndarray, device) -> torch.Tensor:
+    """Host index array -> int64 tensor on ``device``, uploaded without a device sync."""
+    return to_device(torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)), device)
 
 
 class Packing:
     """This rank's samples as segments (``counts[i][k]``: tokens of sample i's segment k, in
     that order within the sample) grouped into ``streams`` (name -> its segments; every segment
-    in one stream; the streams' order is the joint order)."""
+    in one stream; the streams' order is the joint order). Every index table is built on the
+    host (the counts are host numbers) and uploaded once: no device synchronisation."""
 
     def __init__(self, counts: Sequence[Sequence[int]], streams: Mapping[str, Sequence[int]], device) -> None:
         self.streams = {name: tuple(int(k) for k in segs) for name, segs in streams.items()}
@@ -45,12 +53,14 @@ class Packing:
         assert sorted(k for s in self.streams.values() for k in s) == list(range(K)), self.streams
         self.num_segments = K
         self.device = device
-        self.counts = torch.tensor([list(c) for c in counts], dtype=torch.int64).reshape(-1, K)
-        self.seq_lens = self.counts.sum(1).tolist()
-        seg = torch.arange(K).repeat(self.counts.shape[0])
-        self._seg = torch.repeat_interleave(seg, self.counts.flatten())  # (T,) each token's segment
-        order = torch.argsort(self._seg, stable=True)  # local rows, segment by segment
-        self._inv = _inverse(order).to(device)
+        self.counts_host = np.asarray([[int(n) for n in c] for c in counts], dtype=np.int64).reshape(-1, K)
+        self.counts = torch.from_numpy(self.counts_host)  # (S, K) on the host
+        self.seq_lens = self.counts_host.sum(1).tolist()
+        seg = np.tile(np.arange(K), self.counts_host.shape[0])
+        self._seg = np.repeat(seg, self.counts_host.reshape(-1))  # (T,) each token's segment
+        order = np.argsort(self._seg, kind="stable")  # local rows, segment by segment
+        self._inv = _up(_inverse(order), device)
+        self._rows: dict[tuple[int, ...], torch.Tensor] = {}
 
     @property
     def num_samples(self) -> int:
@@ -63,14 +73,15 @@ class Packing:
         return torch.cat(parts).index_select(0, self._inv)
 
     def rows(self, *segments: int) -> torch.Tensor:
-        """Local rows (sample order) of the tokens in ``segments``."""
-        keep = torch.isin(self._seg, torch.tensor(segments, dtype=torch.int64))
-        return torch.nonzero(keep).flatten().to(self.device)
+        """Local rows (sample order) of the tokens in ``segments`` (built once per segments)."""
+        if segments not in self._rows:
+            self._rows[segments] = _up(np.flatnonzero(np.isin(self._seg, segments)), self.device)
+        return self._rows[segments]
 
     def split(self, rows: torch.Tensor, *segments: int) -> list[torch.Tensor]:
         """``rows`` (the tokens of ``segments``, sample order, as :meth:`rows` selects them)
         split per sample."""
-        sizes = self.counts[:, list(segments)].sum(1).tolist()
+        sizes = self.counts_host[:, list(segments)].sum(1).tolist()
         return list(torch.split(rows, sizes)) if sizes else []
 
     def executor(self, executor: TokenExecutor | None) -> TokenExecutor:
@@ -99,8 +110,10 @@ class Packing:
             _require_tokens(ex, self.seq_lens, int(min_tokens))
         routed = ex.route(h, *side, seq_lens=self.seq_lens)
         routed = routed if isinstance(routed, tuple) else (routed,)
-        counts = self.counts.to(self.device)
-        *gathered, counts_all = ex.gather_sequences(*per_sample, counts, names=(*names, "segment counts"))
+        gathered = ex.gather_sequences(*per_sample, names=tuple(names)) if per_sample else ()
+        # the samples' segment counts on the host (a host exchange: the tables below are
+        # built from them without reading a device tensor back)
+        (counts_all,) = ex.gather_sequences(self.counts, names=("segment counts",))
         return Routed(ex, routed[0], tuple(routed[1:]), tuple(gathered), counts_all, self.streams, self)
 
 
@@ -132,20 +145,22 @@ class Routed:
         self.h, self.side, self.per_sample = h, side, per_sample
         self.packing: Packing = packing
         device = h.device
-        self.seq_id, self.pos = executor.routed_positions(device)
-        self.counts_all = counts_all  # (S, K) every sample's segment counts
+        self.seq_id, self.pos = executor.routed_positions(h)
+        # every table from host numbers (the plan's routed ids, the gathered counts), uploaded once
+        seq_host, pos_host = (t.numpy() for t in executor.routed_positions(None))
+        counts = counts_all.numpy()  # (S, K) every sample's segment counts (host)
+        self.counts_all = _up(counts, device).reshape(counts.shape)
         self._streams = streams
-        ends = counts_all.cumsum(1)  # (S, K) the end of each segment within its sample
-        seg = (self.pos[:, None] >= ends.index_select(0, self.seq_id)).sum(1) if self.seq_id.numel() else self.pos
-        self.segment = seg  # (R,) each routed token's segment
-        self.rows: dict[str, torch.Tensor] = {}
-        for name, segs in streams.items():
-            mine = torch.isin(seg, torch.tensor(segs, dtype=seg.dtype, device=device))
-            self.rows[name] = torch.nonzero(mine).flatten()
-        self.joint = torch.cat(list(self.rows.values()))  # joint row j is routed row joint[j]
-        self.inv = _inverse(self.joint)  # routed row i is joint row inv[i]
+        ends = counts.cumsum(1)  # (S, K) the end of each segment within its sample
+        seg = (pos_host[:, None] >= ends[seq_host]).sum(1) if seq_host.size else pos_host
+        self.segment = _up(seg, device)  # (R,) each routed token's segment
+        rows = {name: np.flatnonzero(np.isin(seg, segs)) for name, segs in streams.items()}
+        self.rows: dict[str, torch.Tensor] = {name: _up(r, device) for name, r in rows.items()}
+        joint = np.concatenate(list(rows.values())) if rows else np.zeros(0, dtype=np.int64)
+        self.joint = _up(joint, device)  # joint row j is routed row joint[j]
+        self.inv = _up(_inverse(joint), device)  # routed row i is joint row inv[i]
         self.present, self.slot = present_sequences(executor, h)  # host-built: no device sync
-        self._sizes = {name: int(r.numel()) for name, r in self.rows.items()}
+        self._sizes = {name: int(r.size) for name, r in rows.items()}
 
     def count(self, stream: str) -> int:
         """Routed tokens of ``stream`` on this rank."""

@@ -39,6 +39,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from knapformer.executor import TokenExecutor
@@ -96,7 +97,8 @@ class QwenImageSample:
         n = int(self.text.shape[0])
         if self.text_mask is None:
             return torch.arange(n)
-        return torch.nonzero(torch.as_tensor(self.text_mask).reshape(-1).to(torch.bool).cpu()).flatten()
+        mask = torch.as_tensor(self.text_mask).reshape(-1).to(torch.bool).cpu().numpy()  # (a host mask: no sync)
+        return torch.from_numpy(np.flatnonzero(mask))
 
 
 class PackedQwenImageOutput(seam.PackedOutput):
@@ -171,8 +173,8 @@ def _problem(model, samples: Sequence[QwenImageSample]) -> str:
         if c.use_additional_t_cond and s.additional_t_cond is None:
             yield f"sample {i}: this model has use_additional_t_cond: every sample needs additional_t_cond"
         txt, img = _positions(model, s)
-        hi = max(int(img.max()), int(txt.max()) if txt.numel() else 0)
-        if hi >= TABLE or int(img.min()) < -TABLE:
+        hi = max(int(img.numpy().max()), int(txt.numpy().max()) if txt.numel() else 0)  # (host positions)
+        if hi >= TABLE or int(img.numpy().min()) < -TABLE:
             yield f"sample {i}: RoPE position {hi} (text after the image) exceeds the model's table ({TABLE})"
 
     return seam.first(p for i, s in enumerate(samples) for p in of(i, s))
@@ -210,7 +212,8 @@ def _packed_qwenimage(
     temb = model.time_text_embed(ts, img_h, extra)  # (S, D): once per sample, as the stock batch
     zero = model.time_text_embed(ts * 0, img_h, extra) if c.zero_cond_t else temb[:, :0]
     pos = seam.cat_or_empty([torch.cat(_positions(model, s)) for s in samples], (0, 3), device, torch.int64)
-    first_img = torch.tensor([math.prod(s.img_shapes[0]) for s in samples], dtype=torch.int64, device=device)
+    first_img = torch.tensor([math.prod(s.img_shapes[0]) for s in samples], dtype=torch.int64)
+    first_img = first_img.to(device, non_blocking=True)
     # 2. route (with the RoPE positions); per-sample conditioning to the group
     r = pk.route(executor, pk.merge(txt_h, img_h), pos, per_sample=(temb, zero, first_img), names=_GATHERED)
     temb_all, zero_all, first_all = r.per_sample

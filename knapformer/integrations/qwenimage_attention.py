@@ -82,7 +82,7 @@ def _note(block, args, kwargs):
 def rope_rows(model, pos: torch.Tensor) -> torch.Tensor:
     """Complex RoPE rows (n, Dh/2) of tokens at integer positions (n, 3), from the model's tables."""
     pe = model.pos_embed
-    tables = torch.cat([pe.neg_freqs, pe.pos_freqs]).to(pos.device)  # row p + 4096 = position p
+    tables = torch.cat([pe.neg_freqs, pe.pos_freqs]).to(pos.device, non_blocking=True)  # row p + 4096 = position p
     axes = tables.split([a // 2 for a in pe.axes_dim], dim=1)
     return torch.cat([t.index_select(0, pos[:, i] + TABLE) for i, t in enumerate(axes)], dim=1)
 

@@ -241,7 +241,12 @@ def _packed_wan(model, samples: Sequence[WanSample], executor: TokenExecutor | N
     pk = seam.Packing([(math.prod(g),) for g in grids], {"vid": (0,)}, device)
     # 1. per-sample patch embedding (an empty rank runs it on one empty patch: params get grads)
     if samples:
-        x_local = torch.cat([model.patch_embedding(s.latents[None].to(device, dtype)).flatten(2)[0].T for s in samples])
+        x_local = torch.cat(
+            [
+                model.patch_embedding(s.latents[None].to(device, dtype, non_blocking=True)).flatten(2)[0].T
+                for s in samples
+            ]
+        )
         pos_local = torch.cat([_grid_positions(*g, device) for g in grids])
     else:
         empty = torch.zeros((0, cfg.in_channels, *cfg.patch_size), device=device, dtype=dtype)
@@ -255,14 +260,16 @@ def _packed_wan(model, samples: Sequence[WanSample], executor: TokenExecutor | N
     # 2. conditioning at home: the time embedding once per sample (per token for per-token
     # timesteps, after routing, as the stock model does), text and image embedded
     first_t, per_token, ts_local = seam.timestep_table([s.timestep for s in samples], pk.seq_lens, device)
-    text_local = torch.cat([s.text for s in samples]).to(device, dtype) if samples else torch.zeros(0, cfg.text_dim)
-    text_local = model.condition_embedder.text_embedder(text_local.to(device, dtype)[None])[0]
+    text_local = torch.cat([s.text for s in samples]) if samples else torch.zeros(0, cfg.text_dim)
+    text_local = model.condition_embedder.text_embedder(text_local.to(device, dtype, non_blocking=True)[None])[0]
     temb_s, tproj_s = _time_embed(model, first_t, text_local)
     # 3. route tokens with their grid positions and timesteps; per-sample conditioning to the group
     side = (pos_local, ts_local)
-    r = pk.route(executor, x_local, *side, per_sample=(temb_s, tproj_s, per_token), names=_GATHERED)
+    r = pk.route(executor, x_local, *side, per_sample=(temb_s, tproj_s), names=_GATHERED)
     pos, ts_r = r.side
-    temb_all, tproj_all, per_token_all = r.per_sample
+    temb_all, tproj_all = r.per_sample
+    # which samples have per-token timesteps: host flags, exchanged on the host (no device sync)
+    (per_token_all,) = r.executor.gather_sequences(per_token, names=("per-token timesteps",))
     embed = lambda t: _time_embed(model, t, text_local)  # noqa: E731
     temb, tproj = seam.per_token_rows(r.seq_id, (temb_all, tproj_all), per_token_all, ts_r, embed)
     ex = r.executor
@@ -290,7 +297,7 @@ def _packed_wan(model, samples: Sequence[WanSample], executor: TokenExecutor | N
     return PackedWanOutput.of(seam.unpatchify(out, grids, cfg.patch_size), out)
 
 
-_GATHERED = ("time embedding", "time projection", "per-token timesteps")
+_GATHERED = ("time embedding", "time projection")
 
 
 class WanFamily(seam.PackedFamily):

@@ -28,10 +28,12 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from knapformer.attention.bounds import to_device
 from knapformer.executor import LocalExecutor, TokenExecutor, local_positions, present_sequences
 from knapformer.model_configs import MMDiTConfig
 from knapformer.models.layers import RMSNorm, apply_rope, merge_streams, modulate, split_streams, timestep_embedding
@@ -157,13 +159,23 @@ class MMDiT(nn.Module):
         ex = executor if executor is not None else LocalExecutor(seq_lens)
         # 1. conditioning per local sequence, then every rank's table (once per step)
         c_local = self.time_in(timestep_embedding(t_S, 256).to(x_TI.dtype)) + self.vec_in(vec_SV)
-        c_SD, txt_all = ex.gather_sequences(c_local, txt_lens.to(torch.int64))
-        # 2. input projections by stream on local tokens, then route
-        seq_l, pos_l = local_positions(seq_lens, x_TI.device)
-        meta_l = token_meta(seq_l, pos_l, txt_lens.to(x_TI.device))
-        h = ex.route(_linear_by_stream(x_TI, meta_l, self.txt_in, self.img_in), seq_lens=seq_lens)
-        seq_id, pos = ex.routed_positions(h)
-        meta = token_meta(seq_id, pos, txt_all)
+        if torch.compiler.is_compiling():  # (in the graph: device tables, as the blocks see them)
+            c_SD, txt_all = ex.gather_sequences(c_local, txt_lens.to(torch.int64))
+            seq_l, pos_l = local_positions(seq_lens, x_TI.device)
+            meta_l = token_meta(seq_l, pos_l, txt_lens.to(x_TI.device))
+            h = ex.route(_linear_by_stream(x_TI, meta_l, self.txt_in, self.img_in), seq_lens=seq_lens)
+            seq_id, pos = ex.routed_positions(h)
+            meta = token_meta(seq_id, pos, txt_all)
+        else:  # the stream tables from host numbers (text lengths on the host), uploaded once: no sync
+            (c_SD,) = ex.gather_sequences(c_local)
+            # (no sync when given on the host, as PackedCollate gives it)
+            txt_host = (txt_lens if txt_lens.device.type == "cpu" else txt_lens.cpu()).to(torch.int64)
+            (txt_all,) = ex.gather_sequences(txt_host, names=("text lengths",))
+            seq_l, pos_l = local_positions(seq_lens)
+            meta_l = _host_meta(seq_l, pos_l, txt_host, x_TI.device)
+            h = ex.route(_linear_by_stream(x_TI, meta_l, self.txt_in, self.img_in), seq_lens=seq_lens)
+            seq_id, pos = ex.routed_positions(None)
+            meta = _host_meta(seq_id, pos, txt_all, h.device)
         # modulation runs on the samples present here only (its cost follows them, not the
         # group's sample count): the blocks index conditioning rows by each token's slot
         present, slot = present_sequences(ex, h)
@@ -174,6 +186,18 @@ class MMDiT(nn.Module):
         # 4. output modulation (shift, scale), projection, route back
         shift, scale = self.mod_out(F.silu(c_SD)).index_select(0, meta.seq_id).chunk(2, dim=-1)
         return ex.reverse_route(self.proj_out(modulate(self.norm_out(h), shift, scale)))
+
+
+def _host_meta(seq_id: torch.Tensor, pos: torch.Tensor, txt_lens: torch.Tensor, device) -> TokenMeta:
+    """:func:`token_meta` from host tensors, built with numpy and uploaded once (no device sync)."""
+    seq, p, txt = seq_id.numpy(), pos.numpy(), txt_lens.numpy()
+    is_text = p < txt[seq]
+    idx_txt, idx_img = np.flatnonzero(is_text), np.flatnonzero(~is_text)
+    order = np.concatenate([idx_txt, idx_img])
+    inverse = np.empty_like(order)
+    inverse[order] = np.arange(order.size)
+    up = lambda a: to_device(torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)), device)  # noqa: E731
+    return TokenMeta(seq_id=up(seq), pos=up(p), idx_txt=up(idx_txt), idx_img=up(idx_img), inverse=up(inverse))
 
 
 def token_meta(seq_id: torch.Tensor, pos: torch.Tensor, txt_lens: torch.Tensor) -> TokenMeta:

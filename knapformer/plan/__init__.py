@@ -1,6 +1,7 @@
 """Planning: pure Python + numpy, no torch.distributed, no devices.
 
 Main API: :func:`plan_sequences` (lengths per rank + layout + cost model -> :class:`Plan`),
+:class:`Planner` (a balancer's planning settings as a picklable callable),
 :class:`PlanProblem`, :class:`SolverOptions`, the solver registry :data:`SOLVERS`.
 """
 
@@ -19,6 +20,7 @@ from knapformer.plan.plan import (
     plan_from_groups,
     rank_features,
 )
+from knapformer.plan.planner import Planner
 from knapformer.plan.problem import PlanProblem, SolverOptions, validate_seq_lens
 from knapformer.plan.seqindex import SeqIndex
 from knapformer.plan.solvers import DEFAULT_SOLVER, SOLVERS, SolverInfo, default_solver, get_solver
@@ -30,6 +32,7 @@ __all__ = [
     "InvalidPlanError",
     "Plan",
     "PlanProblem",
+    "Planner",
     "RankFeatures",
     "SeqIndex",
     "SolverInfo",

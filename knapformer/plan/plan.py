@@ -254,11 +254,14 @@ class Plan:
     def digest(self) -> str:
         """Hash of what the executor depends on (lengths, groups, seq_group, chunks): equal
         across ranks exactly when they will move the same data."""
+        if "_digest" in self.__dict__:  # (a plan is immutable: computed once, e.g. in the worker that made it)
+            return self.__dict__["_digest"]
         h = hashlib.sha256()
         h.update(json.dumps([self.seq_lens, self.groups] + ([list(self.rings)] if self.ring else [])).encode())
         h.update(np.ascontiguousarray(self.seq_group, dtype=np.int64).tobytes())
         h.update(np.ascontiguousarray(self.chunks, dtype=np.int64).tobytes())
-        return h.hexdigest()
+        self.__dict__["_digest"] = h.hexdigest()
+        return self.__dict__["_digest"]
 
     # -- checks ----------------------------------------------------------------------------
     def validate(self) -> None:

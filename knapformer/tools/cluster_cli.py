@@ -100,6 +100,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--fixed-s", type=nonneg_float, default=0.0, help="per-step seconds outside the blocks (optimizer, FSDP)"
     )
     p.add_argument("--allow-cross-node", action="store_true", help="the layout search may use bags spanning nodes")
+    p.add_argument(
+        "--planning",
+        choices=("ahead", "inline"),
+        default="ahead",
+        help="plans made ahead (DataLoader workers: nothing on the critical path) or inline (bal.plan: "
+        "each step adds its planning time, measured on this machine)",
+    )
     p.add_argument("--no-static", action="store_true", help="leave out the best static uniform layout baseline")
     add_manifest_args(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -171,14 +178,16 @@ def run(args: argparse.Namespace) -> int:
     cfg = _balancer(args, shape, hw, compute_profile, layout)
     kw = {"profile": compute_profile, "fixed_s": args.fixed_s, "progress": not args.quiet}
     if search:
-        best, results, base = search_layouts(steps, shape, hw, cfg, allow_cross_node=args.allow_cross_node, **kw)
+        best, results, base = search_layouts(
+            steps, shape, hw, cfg, allow_cross_node=args.allow_cross_node, planning=args.planning, **kw
+        )
     else:
         base = evaluate(steps, "none", shape, hw, rank_speed=cfg.rank_speed, attn_backend=cfg.attn_backend, **kw)
-        results = [] if args.bags == "none" else [evaluate(steps, cfg, shape, hw, **kw)]
+        results = [] if args.bags == "none" else [evaluate(steps, cfg, shape, hw, planning=args.planning, **kw)]
         best = results[0] if results else base
     cap = cfg.max_tokens_per_rank
     base.over_cap = None if cap is None else base.max_tokens > cap
-    static, _ = (None, []) if args.no_static else best_static(steps, shape, hw, cfg, **kw)
+    static, _ = (None, []) if args.no_static else best_static(steps, shape, hw, cfg, planning=args.planning, **kw)
     for r in [*results, *([static] if static is not None else [])]:
         r.speedup = base.step_s / r.step_s
         if static is not None:
