@@ -93,3 +93,60 @@ def plans_ahead(rank: int, world: int, workers: int) -> dict:
         "moved": moved,
         "mismatch": mismatch,
     }
+
+
+def count_collectives(rank: int, world: int) -> dict:
+    """Whole-group collectives (all_gather, all_reduce, all_to_all_single, broadcast, barrier)
+    and point-to-point batches per phase of steady-state steps of the reference MMDiT, planned
+    with ``bal.plan`` and with ``use_plan`` (layout g1n2: every sequence alone; then ``auto``)."""
+    import torch.distributed as dist
+
+    counts: dict[str, int] = {}
+    phase = ["start"]
+    saved = {}
+    for name in ("all_gather", "all_reduce", "all_to_all_single", "broadcast", "barrier", "batch_isend_irecv"):
+        saved[name] = getattr(dist, name)
+
+        def counted(*a, _name=name, **k):
+            key = f"{phase[0]} {'p2p' if _name == 'batch_isend_irecv' else 'collective'}"
+            counts[key] = counts.get(key, 0) + 1
+            return saved[_name](*a, **k)
+
+        setattr(dist, name, counted)
+    try:
+        for layout in ("g1n2", "auto"):
+            torch.manual_seed(0)
+            model = build_model(CFG)
+            bal = SequenceBalancer(layout, WorkloadModel(d_model=CFG.dim, num_heads=CFG.num_heads), link="free")
+            ds = Mixed()
+            idx = [0, 1, 2] if rank == 0 else [3, 4]
+            batch = PackedCollate(("tokens", "target"), example=ds[0])([ds[i] for i in idx])
+            batch = {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in batch.items()}
+            model = model.float()
+            planner = bal.planner()
+            lens_all = [[ds.length(i) for i in ([0, 1, 2] if r == 0 else [3, 4])] for r in range(world)]
+            for step in range(4):
+                phase[0] = f"{layout} plan {step}"
+                bal.plan(batch["seq_lens"])
+                phase[0] = f"{layout} step {step}"
+                out = model(
+                    batch["tokens"], batch["seq_lens"], batch["txt_len"], batch["t"], batch["vec"], executor=bal
+                )
+                out.square().sum().backward()
+            for step in range(2):
+                phase[0] = f"{layout} use_plan {step}"
+                bal.use_plan(planner(lens_all))
+                phase[0] = f"{layout} ahead step {step}"
+                out = model(
+                    batch["tokens"], batch["seq_lens"], batch["txt_len"], batch["t"], batch["vec"], executor=bal
+                )
+                out.square().sum().backward()
+        # many sequences on one rank: the same plan as its planner's
+        long = [5 + i for i in range(40)] if rank == 0 else [7] * 3
+        phase[0] = "long plan"
+        plan = bal.plan(long)
+        counts["long same"] = int(plan.digest() == bal.planner()([[5 + i for i in range(40)], [7] * 3]).digest())
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+    return counts

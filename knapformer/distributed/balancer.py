@@ -40,7 +40,6 @@ import os
 from collections.abc import Sequence
 from typing import NoReturn
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -226,7 +225,8 @@ class SequenceBalancer:
     @eager_only
     def plan(self, local_seq_lens: Sequence[int]) -> Plan:
         """Gather every rank's lengths, plan, and build this rank's route spec. Collective over
-        the balancing group (an agreement, then two all-gathers); returns the same
+        the balancing group (an agreement that also learns the largest count, then one gather
+        of every rank's lengths); returns the same
         :class:`Plan` on every rank. ``local_seq_lens``: a list, a numpy array or a 1-D integer
         tensor of this rank's sequence lengths (empty is fine)."""
         with trace.span(trace.PLAN):
@@ -240,19 +240,20 @@ class SequenceBalancer:
             lens = list(validate_lengths(as_lengths(local_seq_lens), "local_seq_lens"))
         except ValueError as exc:
             error = str(exc)
+        # two whole-group collectives: the agreement (a fixed-size row, the same collective as
+        # every agreement, so ranks at different calls still meet), which also learns the
+        # largest count; then one gather of each rank's count, the previous step's measured
+        # seconds and its lengths, padded to that count
         try:
-            self._checks.agree("plan", error, what="local_seq_lens", play=False)
+            (most,) = self._checks.agree("plan", error, what="local_seq_lens", play=False, flags=(len(lens),))
         except BalancerInputError:
             self._drop_plan()
             raise
-        # the previous step's measured seconds ride on the gather of the lengths' counts
-        heads = gather_ints(control, [len(lens), self._loop.seconds_bits()], [2] * S, "plan").reshape(S, 2)
+        row = [len(lens), self._loop.seconds_bits(), *lens]
+        table = gather_ints(control, row, [2 + most] * S, "plan").reshape(S, 2 + most)
         if self._loop.ready:  # the previous step's telemetry (with CUDA events: the one before)
-            self._loop.finish_step(self._loop.measured(heads[:, 1]))
-        counts = heads[:, 0].tolist()
-        flat = gather_ints(control, lens, counts, "plan").tolist()
-        offsets = np.concatenate([[0], np.cumsum(counts)]).tolist()
-        all_lens = ValidLens(tuple(flat[offsets[r] : offsets[r + 1]]) for r in range(S))
+            self._loop.finish_step(self._loop.measured(table[:, 1]))
+        all_lens = ValidLens(tuple(table[r, 2 : 2 + int(c)].tolist()) for r, c in enumerate(table[:, 0]))
         try:  # (lengths validated on their own ranks and agreed above; the planner any process can run)
             plan = self.planner()(all_lens)
         except ValueError as exc:  # e.g. an infeasible memory cap: the same on every rank
