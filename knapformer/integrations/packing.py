@@ -36,6 +36,12 @@ def _inverse(order: np.ndarray) -> np.ndarray:
     return inv
 
 
+def _host(t: torch.Tensor) -> np.ndarray:
+    """A host tensor's values (the balancer and ``LocalExecutor`` hand host tensors here; an
+    executor that returns device tensors costs a synchronisation, and still works)."""
+    return (t if t.device.type == "cpu" else t.cpu()).numpy()
+
+
 def _up(a: np.ndarray, device) -> torch.Tensor:
     """Host index array -> int64 tensor on ``device``, uploaded without a device sync."""
     return to_device(torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)), device)
@@ -147,8 +153,8 @@ class Routed:
         device = h.device
         self.seq_id, self.pos = executor.routed_positions(h)
         # every table from host numbers (the plan's routed ids, the gathered counts), uploaded once
-        seq_host, pos_host = (t.numpy() for t in executor.routed_positions(None))
-        counts = counts_all.numpy()  # (S, K) every sample's segment counts (host)
+        seq_host, pos_host = (_host(t) for t in executor.routed_positions(None))
+        counts = _host(counts_all)  # (S, K) every sample's segment counts
         self.counts_all = _up(counts, device).reshape(counts.shape)
         self._streams = streams
         ends = counts.cumsum(1)  # (S, K) the end of each segment within its sample

@@ -190,7 +190,7 @@ class MMDiT(nn.Module):
 
 def _host_meta(seq_id: torch.Tensor, pos: torch.Tensor, txt_lens: torch.Tensor, device) -> TokenMeta:
     """:func:`token_meta` from host tensors, built with numpy and uploaded once (no device sync)."""
-    seq, p, txt = seq_id.numpy(), pos.numpy(), txt_lens.numpy()
+    seq, p, txt = ((t if t.device.type == "cpu" else t.cpu()).numpy() for t in (seq_id, pos, txt_lens))
     is_text = p < txt[seq]
     idx_txt, idx_img = np.flatnonzero(is_text), np.flatnonzero(~is_text)
     order = np.concatenate([idx_txt, idx_img])
