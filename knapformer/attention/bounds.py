@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-__all__ = ["Bounds", "derived", "host_bounds", "remember", "to_device", "upload"]
+__all__ = ["Bounds", "derived", "host_bounds", "host_values", "index_to", "remember", "to_device", "upload"]
 
 _HOST: dict[int, tuple[weakref.ref, tuple[int, ...]]] = {}
 _DERIVED: dict[tuple, tuple[list, object]] = {}
@@ -61,6 +61,18 @@ def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
         return t
     src = t.pin_memory() if torch.cuda.is_available() else t
     return src.to(device, non_blocking=True)
+
+
+def index_to(host: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    """A host index array as an int64 tensor on ``device`` (:func:`to_device`: no device
+    synchronisation); for index tables built once per plan or step on the host."""
+    return to_device(torch.from_numpy(np.ascontiguousarray(host, dtype=np.int64)), device)
+
+
+def host_values(t: torch.Tensor) -> np.ndarray:
+    """The values of a tensor that should be on the host (an executor's routed ids, gathered
+    counts), as numpy; a device tensor still works, at the cost of one synchronisation."""
+    return (t if t.device.type == "cpu" else t.cpu()).numpy()
 
 
 def upload(host: Sequence[int] | np.ndarray, device: torch.device | str, dtype=torch.int32) -> torch.Tensor:

@@ -19,7 +19,7 @@ from knapformer.cluster.hardware import Hardware
 from knapformer.cluster.model import ModelShape, predict_step, predict_unbalanced
 from knapformer.config import BalancerConfig
 from knapformer.layout import AutoLayout, BagLayout, parse_layout
-from knapformer.plan import plan_sequences
+from knapformer.plan import Planner
 from knapformer.plan.solvers.menu import layout_menu
 from knapformer.plan.solvers.uniform import UNIFORM_NODES
 from knapformer.workload import WorkloadModel
@@ -132,6 +132,7 @@ def evaluate(
         raise ValueError(f"balancer must be a BalancerConfig or 'none', got {balancer!r}")
     preds, plan_ms = [], []
     largest, rings, tokens = 1, set(), 0
+    planner = Planner.from_config(balancer) if isinstance(balancer, BalancerConfig) else None
     for lens in _bar(steps, f"{name}: steps", progress):
         if not isinstance(balancer, BalancerConfig):
             preds.append(
@@ -143,17 +144,7 @@ def evaluate(
             tokens = max([tokens] + [sum(r) for r in lens])
             continue
         t = time.perf_counter()
-        plan = plan_sequences(
-            lens,
-            balancer.layout,
-            balancer.cost,
-            solver=balancer.solver,
-            max_tokens_per_rank=balancer.max_tokens_per_rank,
-            rank_speed=balancer.rank_speed,
-            options=balancer.solver_options,
-            link=balancer.link,
-            time_budget_s=balancer.time_budget_s,
-        )
+        plan = planner(lens)
         plan_ms.append(1e3 * (time.perf_counter() - t))
         held = plan.memory_per_rank()
         tokens = max(tokens, int(held.max()) if held.size else 0)

@@ -203,18 +203,7 @@ class SequenceBalancer:
         any process (a DataLoader worker, ahead of the step: :class:`knapformer.data.PlannedSteps`);
         run it with :meth:`use_plan`. A snapshot: take a new one when the planning settings
         change (``recalibrate``'s fits; ``attn_path="auto"`` after the first ``pre_attn`` call)."""
-        cfg = self._loop.planning
-        return Planner(
-            layout=cfg.layout,
-            cost=cfg.cost,  # type: ignore[arg-type]
-            solver=cfg.solver,
-            max_tokens_per_rank=cfg.max_tokens_per_rank,
-            rank_speed=cfg.rank_speed,
-            options=cfg.solver_options,
-            link=cfg.link,
-            kv_gather=self._kv_gather,
-            time_budget_s=cfg.time_budget_s,
-        )
+        return Planner.from_config(self._loop.planning, kv_gather=self._kv_gather)
 
     def online_model(self) -> WorkloadModel:
         """The cost model the next plan uses (the online fit's, with ``recalibrate``); save it

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from knapformer.attention.bounds import to_device, upload
+from knapformer.attention.bounds import index_to, to_device, upload
 from knapformer.distributed.exchange import Peers
 from knapformer.plan import Plan
 from knapformer.plan.seqindex import DST, LEN, SRC, START, concat_ranges
@@ -188,8 +188,7 @@ class RouteSpec:
                 d["recv_inverse"] = to_device(torch.argsort(self.recv_index), device)
             d["local_cu_seqlens"] = upload(np.cumsum([0, *self.local_seq_lens]), device)
             present, slot = np.unique(self.routed_seq_id.numpy(), return_inverse=True)
-            d["present"] = to_device(torch.from_numpy(present.astype(np.int64)), device)
-            d["slot"] = to_device(torch.from_numpy(slot.reshape(-1).astype(np.int64)), device)
+            d["present"], d["slot"] = index_to(present, device), index_to(slot.reshape(-1), device)
             self._device_cache[key] = d
         return self._device_cache[key]
 

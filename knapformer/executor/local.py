@@ -13,7 +13,7 @@ from typing import NoReturn
 import numpy as np
 import torch
 
-from knapformer.attention.bounds import upload
+from knapformer.attention.bounds import index_to, upload
 from knapformer.attention.varlen import varlen_attention
 from knapformer.executor.opaque import attend, owner_handle, register_kind
 from knapformer.executor.protocol import (
@@ -36,7 +36,7 @@ def local_positions(seq_lens: Sequence[int], device: torch.device | None = None)
     seq_id = np.repeat(np.arange(lens.size), lens)
     pos = np.arange(int(lens.sum())) - (np.cumsum(lens) - lens)[seq_id]
     # built on the host and uploaded without waiting for the device
-    return tuple(torch.from_numpy(a).to(device, non_blocking=True) for a in (seq_id, pos))  # type: ignore[return-value]
+    return index_to(seq_id, device or "cpu"), index_to(pos, device or "cpu")
 
 
 class LocalExecutor:
@@ -124,7 +124,7 @@ class LocalExecutor:
         lens = np.asarray(self.seq_lens, dtype=np.int64)
         present = np.flatnonzero(lens > 0)
         slot = np.repeat(np.arange(present.size), lens[present])
-        return tuple(torch.from_numpy(a.astype(np.int64)).to(device, non_blocking=True) for a in (present, slot))
+        return index_to(present, device or "cpu"), index_to(slot, device or "cpu")
 
     def gather_sequences(self, *per_seq, names=None):
         self._raise_pending()

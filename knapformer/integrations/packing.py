@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from knapformer.attention.bounds import to_device
+from knapformer.attention.bounds import host_values, index_to
 from knapformer.errors import BalancerInputError
 from knapformer.executor import LocalExecutor, TokenExecutor, local_positions, present_sequences
 
@@ -34,17 +34,6 @@ def _inverse(order: np.ndarray) -> np.ndarray:
     inv = np.empty_like(order)
     inv[order] = np.arange(order.size)
     return inv
-
-
-def _host(t: torch.Tensor) -> np.ndarray:
-    """A host tensor's values (the balancer and ``LocalExecutor`` hand host tensors here; an
-    executor that returns device tensors costs a synchronisation, and still works)."""
-    return (t if t.device.type == "cpu" else t.cpu()).numpy()
-
-
-def _up(a: np.ndarray, device) -> torch.Tensor:
-    """Host index array -> int64 tensor on ``device``, uploaded without a device sync."""
-    return to_device(torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)), device)
 
 
 class Packing:
@@ -65,7 +54,7 @@ class Packing:
         seg = np.tile(np.arange(K), self.counts_host.shape[0])
         self._seg = np.repeat(seg, self.counts_host.reshape(-1))  # (T,) each token's segment
         order = np.argsort(self._seg, kind="stable")  # local rows, segment by segment
-        self._inv = _up(_inverse(order), device)
+        self._inv = index_to(_inverse(order), device)
         self._rows: dict[tuple[int, ...], torch.Tensor] = {}
 
     @property
@@ -81,7 +70,7 @@ class Packing:
     def rows(self, *segments: int) -> torch.Tensor:
         """Local rows (sample order) of the tokens in ``segments`` (built once per segments)."""
         if segments not in self._rows:
-            self._rows[segments] = _up(np.flatnonzero(np.isin(self._seg, segments)), self.device)
+            self._rows[segments] = index_to(np.flatnonzero(np.isin(self._seg, segments)), self.device)
         return self._rows[segments]
 
     def split(self, rows: torch.Tensor, *segments: int) -> list[torch.Tensor]:
@@ -153,18 +142,18 @@ class Routed:
         device = h.device
         self.seq_id, self.pos = executor.routed_positions(h)
         # every table from host numbers (the plan's routed ids, the gathered counts), uploaded once
-        seq_host, pos_host = (_host(t) for t in executor.routed_positions(None))
-        counts = _host(counts_all)  # (S, K) every sample's segment counts
-        self.counts_all = _up(counts, device).reshape(counts.shape)
+        seq_host, pos_host = (host_values(t) for t in executor.routed_positions(None))
+        counts = host_values(counts_all)  # (S, K) every sample's segment counts
+        self.counts_all = index_to(counts, device).reshape(counts.shape)
         self._streams = streams
         ends = counts.cumsum(1)  # (S, K) the end of each segment within its sample
         seg = (pos_host[:, None] >= ends[seq_host]).sum(1) if seq_host.size else pos_host
-        self.segment = _up(seg, device)  # (R,) each routed token's segment
+        self.segment = index_to(seg, device)  # (R,) each routed token's segment
         rows = {name: np.flatnonzero(np.isin(seg, segs)) for name, segs in streams.items()}
-        self.rows: dict[str, torch.Tensor] = {name: _up(r, device) for name, r in rows.items()}
+        self.rows: dict[str, torch.Tensor] = {name: index_to(r, device) for name, r in rows.items()}
         joint = np.concatenate(list(rows.values())) if rows else np.zeros(0, dtype=np.int64)
-        self.joint = _up(joint, device)  # joint row j is routed row joint[j]
-        self.inv = _up(_inverse(joint), device)  # routed row i is joint row inv[i]
+        self.joint = index_to(joint, device)  # joint row j is routed row joint[j]
+        self.inv = index_to(_inverse(joint), device)  # routed row i is joint row inv[i]
         self.present, self.slot = present_sequences(executor, h)  # host-built: no device sync
         self._sizes = {name: int(r.size) for name, r in rows.items()}
 

@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from knapformer.attention.bounds import to_device
+from knapformer.attention.bounds import host_values, index_to
 from knapformer.executor import LocalExecutor, TokenExecutor, local_positions, present_sequences
 from knapformer.model_configs import MMDiTConfig
 from knapformer.models.layers import RMSNorm, apply_rope, merge_streams, modulate, split_streams, timestep_embedding
@@ -190,14 +190,14 @@ class MMDiT(nn.Module):
 
 def _host_meta(seq_id: torch.Tensor, pos: torch.Tensor, txt_lens: torch.Tensor, device) -> TokenMeta:
     """:func:`token_meta` from host tensors, built with numpy and uploaded once (no device sync)."""
-    seq, p, txt = ((t if t.device.type == "cpu" else t.cpu()).numpy() for t in (seq_id, pos, txt_lens))
+    seq, p, txt = (host_values(t) for t in (seq_id, pos, txt_lens))
     is_text = p < txt[seq]
     idx_txt, idx_img = np.flatnonzero(is_text), np.flatnonzero(~is_text)
     order = np.concatenate([idx_txt, idx_img])
     inverse = np.empty_like(order)
     inverse[order] = np.arange(order.size)
-    up = lambda a: to_device(torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)), device)  # noqa: E731
-    return TokenMeta(seq_id=up(seq), pos=up(p), idx_txt=up(idx_txt), idx_img=up(idx_img), inverse=up(inverse))
+    up = [index_to(a, device) for a in (seq, p, idx_txt, idx_img, inverse)]
+    return TokenMeta(seq_id=up[0], pos=up[1], idx_txt=up[2], idx_img=up[3], inverse=up[4])
 
 
 def token_meta(seq_id: torch.Tensor, pos: torch.Tensor, txt_lens: torch.Tensor) -> TokenMeta:

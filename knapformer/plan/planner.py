@@ -42,7 +42,25 @@ class Planner:
     def __post_init__(self) -> None:
         if not isinstance(self.cost, WorkloadModel):
             raise TypeError(f"Planner.cost must be a WorkloadModel, got {type(self.cost).__name__}")
-        get_solver(self.solver if self.solver is not None else default_solver(self.layout))  # a known name
+        if self.solver is None:  # the layout's default, named once
+            object.__setattr__(self, "solver", default_solver(self.layout))
+        get_solver(self.solver)  # a known name
+
+    @classmethod
+    def from_config(cls, config, *, kv_gather: bool = False) -> Planner:
+        """The planner of a ``BalancerConfig`` (its layout, cost model, solver and options, cap,
+        rank speeds, links as given, time budget); ``kv_gather`` prices the ``pre_attn`` path."""
+        return cls(
+            layout=config.layout,
+            cost=config.cost,
+            solver=config.solver,
+            max_tokens_per_rank=config.max_tokens_per_rank,
+            rank_speed=config.rank_speed,
+            options=config.solver_options,
+            link=config.link,
+            kv_gather=kv_gather,
+            time_budget_s=config.time_budget_s,
+        )
 
     def __call__(self, seq_lens: Sequence[Sequence[int]]) -> Plan:
         """The plan of one step: ``seq_lens[r]`` = rank r's sequence lengths (the group's order)."""
@@ -56,5 +74,4 @@ class Planner:
             link=self.link,
             kv_gather=self.kv_gather,
         )
-        solver = self.solver if self.solver is not None else default_solver(self.layout)
-        return get_solver(solver)(problem, time_budget_s=self.time_budget_s)
+        return get_solver(self.solver)(problem, time_budget_s=self.time_budget_s)

@@ -287,29 +287,31 @@ def solve_moldable(problem: PlanProblem, *, time_budget_s: float | None = None) 
     tol = problem.options.tie_tolerance
     peak_tol = problem.options.peak_tolerance if problem.max_tokens_per_rank is None else None
     if peak_tol is not None:
-        candidates = _within_peak(problem, candidates)
+        peak = {id(p): int(p.memory_per_rank().max(initial=0)) for p in candidates}  # (once each)
+        candidates = _within_peak(problem, candidates, peak)
     best = min(p.makespan for p in candidates)
     ceiling = min((p.makespan for p in candidates if p.is_partition and p is not None), default=np.inf)
     if peak_tol is not None and peak_tol > tol:
         near = [p for p in candidates if p.makespan <= min(best * (1 + peak_tol), ceiling)]
-        least = min(int(p.memory_per_rank().max(initial=0)) for p in near)
-        candidates = [p for p in near if int(p.memory_per_rank().max(initial=0)) == least]
+        least = min(peak[id(p)] for p in near)
+        candidates = [p for p in near if peak[id(p)] == least]
         best = min(p.makespan for p in candidates)
     tied = [p for p in candidates if p.makespan <= min(best * (1 + tol), ceiling)]  # never above a fixed layout
     return stamp(min(tied, key=lambda p: (p.tokens_moved, p.makespan)), t0)
 
 
-def _within_peak(problem: PlanProblem, candidates: list[Plan]) -> list[Plan]:
+def _within_peak(problem: PlanProblem, candidates: list[Plan], peak: dict[int, int]) -> list[Plan]:
     """The candidates that hold on no rank more than the most any rank loaded, or than the
     fastest fixed-layout candidate holds (``SolverOptions.peak_tolerance``): time alone
     concentrates tokens (short sequences cost less per token, so a fast rank fills with them),
     and the activation memory of the busiest rank is what a GPU must fit. The fastest fixed
-    layout is within its own bound, so some candidate always is when one was planned."""
+    layout is within its own bound, so some candidate always is when one was planned.
+    ``peak``: each candidate's busiest rank's tokens, by ``id``."""
     loaded = max((sum(r) for r in problem.seq_lens), default=0)
     fixed = [p for p in candidates if p.is_partition]
     ref = loaded
     if fixed:
         fastest = min(fixed, key=lambda p: (p.makespan, p.tokens_moved))
-        ref = max(ref, int(fastest.memory_per_rank().max(initial=0)))
-    kept = [p for p in candidates if int(p.memory_per_rank().max(initial=0)) <= ref]
+        ref = max(ref, peak[id(fastest)])
+    kept = [p for p in candidates if peak[id(p)] <= ref]
     return kept or candidates
