@@ -4,6 +4,11 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+# NeMo Automodel's diffusion recipe (knapformer.integrations.automodel and its tests). --no-deps:
+# its declared dependencies pin transformers 5.18 (torchtitan's extra needs 5.25) and pull CUDA
+# packages; what its diffusion recipe imports on a CPU (transformers, torchdata, diffusers, pyyaml)
+# the extras above already install.
+AUTOMODEL_SPEC ?= nemo-automodel==0.7.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
@@ -13,6 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
 	$(PY) -m pip install -q --disable-pip-version-check -e ".[dev,diffusers,torchtitan]"
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps "$(AUTOMODEL_SPEC)"
 	touch $(STAMP)
 
 setup: $(STAMP)

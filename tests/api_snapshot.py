@@ -34,6 +34,8 @@ MODULES = (
     "knapformer.integrations.hunyuanvideo15_official",
     "knapformer.integrations.sd3",
     "knapformer.integrations.torchtitan_flux",
+    "knapformer.integrations.automodel",
+    "knapformer.integrations.automodel_data",
     "knapformer.integrations.family",
     "knapformer.integrations.seam",
     "knapformer.integrations.registry",

@@ -125,3 +125,21 @@ def min_tokens_route(rank: int, world: int) -> dict:
     bal.plan(both)
     out["all_hold"] = _outcome(lambda: pk2.route(bal, torch.randn(sum(both), 4, dtype=torch.float64), min_tokens=1))
     return out
+
+
+def rng_untouched(rank: int, world: int) -> dict:
+    """Whether building a balancer (its links measured: the default), planning and one balanced
+    attention leave torch's global random stream where it was: a training loop's noise and
+    timesteps must not depend on whether knapformer runs (Automodel's stock-vs-knapformer test)."""
+    from knapformer import BalancerConfig
+
+    out = {}
+    before = torch.get_rng_state()
+    bal = SequenceBalancer(BalancerConfig(layout="auto", cost=MODEL))
+    out["construct"] = torch.equal(before, torch.get_rng_state())
+    lens = [24, 8] if rank == 0 else [4]
+    bal.plan(lens)
+    q, k, v = _qkv(sum(lens), rank)
+    bal.attention(q, k, v)
+    out["step"] = torch.equal(before, torch.get_rng_state())
+    return out

@@ -62,3 +62,11 @@ def test_a_family_that_needs_tokens_on_every_rank_gets_one_error_on_every_rank()
         assert r["default"] == ("ok", "") and r["all_hold"] == ("ok", ""), r
     with pytest.raises(BalancerInputError, match=r"rank\(s\) \[0\]"):
         Packing([], {"x": (0,)}, "cpu").route(None, torch.zeros(0, 4), min_tokens=1)
+
+
+def test_a_balancer_leaves_the_global_random_stream_alone():
+    """Building a balancer measured its links with ``torch.randn`` from the global stream, so a
+    loop's noise and timesteps changed with knapformer (Automodel's stock-vs-knapformer steps
+    after the first differed): every rank, construction and a step draw nothing from it."""
+    for r in run_distributed(W.rng_untouched, 2, timeout=60):
+        assert r == {"construct": True, "step": True}, r

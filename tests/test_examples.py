@@ -13,11 +13,11 @@ from knapformer.testing import free_port
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _torchrun(script: str, ranks: int) -> subprocess.CompletedProcess:
+def _torchrun(script: str, ranks: int, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", f"--master-port={free_port()}"]
     return subprocess.run(
-        [*cmd, str(ROOT / "examples" / script)], capture_output=True, text=True, timeout=180, env=env, cwd=ROOT
+        [*cmd, str(ROOT / "examples" / script), *args], capture_output=True, text=True, timeout=180, env=env, cwd=ROOT
     )
 
 
@@ -36,6 +36,16 @@ def test_example_runs_under_torchrun(script):
     proc = _torchrun(script, 2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step 1: global mean loss" in proc.stdout, proc.stdout[-1000:]
+
+
+def test_automodel_example_trains_with_automodels_recipe(tmp_path):
+    """examples/automodel_train.py --tiny (docs/automodel.md): Automodel's launcher plus the one
+    hook, 3 steps of mixed-size token-budget batches on 2 ranks."""
+    pytest.importorskip("diffusers", reason="diffusers is not installed (pip install 'knapformer[diffusers]')")
+    pytest.importorskip("nemo_automodel", reason="nemo-automodel is not installed (make setup installs it)")
+    proc = _torchrun("automodel_train.py", 2, "--tiny", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "knapformer: trained 3 steps with Automodel's recipe" in proc.stdout, proc.stdout[-1000:]
 
 
 def test_balance_attention_runs_on_three_ranks():

@@ -74,8 +74,9 @@ def _matmul_flops(d: int, device: torch.device) -> float:
     d capped at 512 to keep the probe short on a CPU)."""
     d = min(d, 512)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    a = torch.randn(256, d, device=device, dtype=dtype)
-    b = torch.randn(d, d, device=device, dtype=dtype)
+    g = torch.Generator(device=device).manual_seed(0)  # the caller's random stream stays untouched
+    a = torch.randn(256, d, generator=g, device=device, dtype=dtype)
+    b = torch.randn(d, d, generator=g, device=device, dtype=dtype)
     a @ b  # warm-up
 
     def once() -> float:

@@ -1,0 +1,188 @@
+"""NeMo Automodel's own diffusion recipe with knapformer (``knapformer.integrations.automodel``):
+on 2 gloo ranks, FSDP2 with the root sharded, fp64, tiny Wan / HunyuanVideo 1.5 / FLUX.1 built
+from local configs, ``TrainDiffusionRecipe.setup()`` then ``run_train_validation_loop()``.
+
+- Stock recipe vs the recipe with the one hook: the losses and gradient norms of 3 steps equal.
+- knapformer's token-budget loader (clips and images of different sizes and durations, a
+  different number on each rank): every prediction equals the stock model's per-sample
+  forward, and the loss and gradient norm equal per-sample math's global mean.
+
+``make test`` installs ``nemo-automodel`` (its import closure on CPU: transformers and
+torchdata, both already here), so these run in CI."""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers", reason="diffusers is not installed (pip install 'knapformer[diffusers]')")
+pytest.importorskip("nemo_automodel", reason="nemo-automodel is not installed (make setup installs it)")
+
+from knapformer.integrations.automodel_data import write_automodel_cache  # noqa: E402
+from knapformer.testing import run_distributed  # noqa: E402
+from tests import automodel_workers as W  # noqa: E402
+
+LOSS_TOL = 1e-6
+"""Automodel's adapters compute the loss in fp32 (``mse_loss(pred.float(), target.float())``)."""
+NORM_TOL = 1e-7
+"""fp64 models, but the stock norms of Wan and HunyuanVideo run in fp32: measured ≤ 1e-9."""
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def test_knapformer_equals_the_stock_recipe_for_wan_hunyuanvideo_and_flux(tmp_path):
+    root = str(tmp_path)
+    kinds = ["wan", "hunyuan", "flux"]
+    for kind in kinds:
+        W.write_model(kind, root)
+    for kind in ("hunyuan", "flux"):
+        write_automodel_cache(os.path.join(root, f"{kind}-uniform"), W.uniform_samples(kind))
+    out = run_distributed(W.stock_vs_knapformer, 2, root, kinds, timeout=400, start_method="spawn")
+    for kind in kinds:
+        for rank in range(2):
+            stock, balanced = out[rank][kind]
+            assert len(stock["losses"]) == len(balanced["losses"]) == 3, (kind, stock, balanced)
+            assert len(stock["norms"]) == len(balanced["norms"]) == 3, (kind, stock, balanced)
+            for a, b in zip(balanced["losses"], stock["losses"]):
+                assert _rel(a, b) < LOSS_TOL, (kind, rank, balanced["losses"], stock["losses"])
+            for a, b in zip(balanced["norms"], stock["norms"]):
+                assert _rel(a, b) < NORM_TOL, (kind, rank, balanced["norms"], stock["norms"])
+            # Automodel's validation loop goes through the adapter too (Wan: after every step)
+            assert len(balanced["val"]) == len(stock["val"]) == (3 if kind == "wan" else 0)
+            for a, b in zip(balanced["val"], stock["val"]):
+                assert _rel(a, b) < LOSS_TOL, (kind, rank, balanced["val"], stock["val"])
+
+
+def _crop(x: torch.Tensor, shape) -> torch.Tensor:
+    return x[(..., *(slice(0, n) for n in shape))]
+
+
+def _stock_wan(model, hidden, timestep, text) -> torch.Tensor:
+    return model(
+        hidden_states=hidden[None], timestep=timestep[None], encoder_hidden_states=text[None], return_dict=False
+    )[0][0]
+
+
+def _source(items: list[dict], clean: torch.Tensor) -> dict:
+    """The cache sample whose latents these are (every cache sample is distinct random data)."""
+    found = [
+        it for it in items if it["video_latents"][0].shape == clean.shape and torch.equal(it["video_latents"][0], clean)
+    ]
+    assert len(found) == 1, len(found)
+    return found[0]
+
+
+def test_mixed_sizes_and_durations_are_exact_against_per_sample_math(tmp_path):
+    """knapformer's loader deals each rank clips of 1-5 latent frames and images at several
+    sizes under a token budget; every step, on both ranks: each prediction = the stock Wan
+    forward of that sample alone; the recipe's loss (mean over ranks) and its gradient norm =
+    those of the global mean over every valid element, computed per sample."""
+    from diffusers import WanTransformer3DModel
+
+    root = str(tmp_path)
+    W.write_model("wan", root)
+    items = W.mixed_samples("wan")
+    write_automodel_cache(os.path.join(root, "wan-mixed"), items)
+    out = run_distributed(W.mixed, 2, root, "wan", 80, timeout=300, start_method="spawn")
+    out = [torch.load(io.BytesIO(b), weights_only=False) for b in out]
+    model = WanTransformer3DModel(**W.WAN).double()
+    shift = 3.0  # Automodel's default flow_shift: loss weight 1 + shift · sigma
+    steps = [r["steps"] for r in out]
+    assert len(steps[0]) == len(steps[1]) == 3 and len(out[0]["norms"]) == 3
+    counts = [(len(steps[0][s]["shapes"]), len(steps[1][s]["shapes"])) for s in range(3)]
+    shapes = {tuple(x) for r in steps for st in r for x in st["shapes"]}
+    assert any(a != b for a, b in counts), counts  # ranks hold different numbers of samples
+    assert {f for f, _, _ in shapes} >= {1, 3} and len(shapes) >= 5, shapes  # images and clips, many sizes
+    for s in range(3):
+        weights = steps[0][s]["weights"]
+        params = dict(model.named_parameters())
+        assert set(weights) == set(params)
+        for name, p in params.items():
+            assert torch.equal(weights[name], steps[1][s]["weights"][name])
+            p.data.copy_(weights[name])
+        model.zero_grad()
+        total, elements = torch.zeros((), dtype=torch.float64), 0
+        for rank in range(2):
+            rec = steps[rank][s]
+            for b, shape in enumerate(rec["shapes"]):
+                # the sample as the cache holds it (its own text, unpadded), noised as the recipe did
+                source = _source(items, _crop(rec["clean"][b], shape))
+                hidden = _crop(rec["hidden_states"][b], shape)
+                ref = _stock_wan(model, hidden, rec["timestep"][b], source["text_embeddings"][0].double())
+                pred = _crop(rec["pred"][b], shape)
+                assert pred.shape == ref.shape
+                err = ((pred - ref).abs().max() / ref.abs().max()).item()
+                assert err < 1e-9, (s, rank, b, err)
+                target = _crop(rec["target"][b], shape).double()
+                weight = 1.0 + shift * rec["sigma"][b].double()
+                total = total + weight * ((ref - target) ** 2).sum()
+                elements += math.prod(ref.shape)
+        loss = total / elements
+        loss.backward()
+        norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None)).item()
+        recipe_loss = sum(r["losses"][s] for r in out) / 2  # each rank's value is its share · ranks
+        assert _rel(recipe_loss, loss.item()) < LOSS_TOL, (s, recipe_loss, loss.item())
+        for r in out:
+            assert _rel(r["norms"][s], norm) < 1e-6, (s, r["norms"][s], norm)
+
+
+def test_cache_lengths_collate_and_clear_errors(tmp_path):
+    """The loader's pieces on one process: a real Automodel shard has no ``latent_shape`` (the
+    sizes are read from the ``.meta`` file), an image cache feeds a video model as one-frame
+    clips, a batch pads to the largest sample and says each one's size and text rows; bad input
+    is refused with the reason."""
+    import json
+
+    from knapformer.integrations.automodel import KnapformerAdapter, use_knapformer
+    from knapformer.integrations.automodel_data import AutomodelCache, TokenBudgetDataloaderConfig, collate_padded
+
+    clips = write_automodel_cache(tmp_path / "clips", W.mixed_samples("wan")[:3])
+    shard = clips / "shard_000.json"
+    items = json.loads(shard.read_text())
+    for it in items:
+        del it["latent_shape"]  # as Automodel's own preprocessing writes them
+    shard.write_text(json.dumps(items))
+    images = write_automodel_cache(
+        tmp_path / "images", [{"image_latents": torch.randn(1, 4, 6, 4), "text_embeddings": torch.randn(1, 2, 8)}]
+    )
+    data = AutomodelCache([str(clips), str(images)])
+    assert [data.latent_shape(i) for i in range(4)] == [(1, 4, 6), (5, 8, 8), (3, 4, 4), (1, 6, 4)]
+    cfg = TokenBudgetDataloaderConfig(cache_dir=[str(clips), str(images)], max_tokens=64)
+    assert cfg.lengths(data).tolist() == [6, 80, 12, 6]
+    batch = collate_padded([data[0], data[3], data[2]])
+    assert batch["video_latents"].shape == (3, 4, 3, 6, 6)
+    assert batch["latent_shapes"].tolist() == [[1, 4, 6], [1, 6, 4], [3, 4, 4]]
+    assert batch["text_mask"].sum(1).tolist() == [3, 2, 5] and batch["text_embeddings"].shape == (3, 5, 8)
+    assert torch.equal(batch["video_latents"][1, :, :1, :6, :4], data[3]["video_latents"][0])
+    assert batch["video_latents"][1, :, :, :, 4:].abs().sum() == 0  # padding is zeros
+    with pytest.raises(ValueError, match="patch"):
+        TokenBudgetDataloaderConfig(cache_dir=str(clips), max_tokens=64, patch=[2, 2]).lengths(data)
+    with pytest.raises(FileNotFoundError, match="metadata.json"):
+        AutomodelCache(str(tmp_path))
+    with pytest.raises(ValueError, match="empty batch"):
+        collate_padded([])
+
+    class FluxAdapter:  # the name decides the family
+        pass
+
+    class QwenImageAdapter:
+        pass
+
+    assert KnapformerAdapter(FluxAdapter()).family.name == "flux"
+    with pytest.raises(ValueError, match="QwenImageAdapter"):
+        KnapformerAdapter(QwenImageAdapter())
+    with pytest.raises(ValueError, match="loss"):
+        KnapformerAdapter(FluxAdapter(), loss="mean")
+
+    class Recipe:
+        cp_size = 2
+        flow_matching_pipeline = type("P", (), {"model_adapter": FluxAdapter()})()
+
+    with pytest.raises(ValueError, match="cp_size is 2"):
+        use_knapformer(Recipe())
