@@ -94,8 +94,11 @@ def mixed_samples(kind: str, seed: int = 0) -> list[dict]:
     for i, (f, h, w) in enumerate(sizes * 2):
         txt = 3 + i % 4
         item = {"video_latents": rnd(1, channels, f, h, w), "text_embeddings": rnd(1, txt, width)}
-        if kind == "hunyuan":
+        if kind == "hunyuan":  # its MLLM mask as Automodel's preprocessing stores it, and byT5 glyph text
+            glyph = 1 + i % 3
             item["text_mask"] = torch.ones(1, txt, dtype=torch.long)
+            item["text_embeddings_2"] = rnd(1, glyph, 4)
+            item["text_mask_2"] = torch.ones(1, glyph, dtype=torch.long)
         out.append(item)
     return out
 
@@ -249,13 +252,15 @@ def _full_weights(model) -> dict:
 
 
 def _record_adapter(adapter, steps: list[dict]) -> None:
-    """Keep, per step, the stock adapter's inputs (Wan's), the predictions and targets."""
+    """Keep, per step, the stock adapter's latents and timesteps (Wan's or HunyuanVideo's), the
+    predictions and targets."""
     forward, loss = adapter.forward, adapter.inner.compute_loss
 
     def forward_and_record(model, inputs):
         pred = forward(model, inputs)
-        steps[-1]["hidden_states"] = inputs["hidden_states"].detach().clone()  # the stock adapter's inputs
-        steps[-1]["timestep"] = inputs["timestep"].detach().clone()
+        for key in ("hidden_states", "timestep", "latents", "timesteps"):  # the stock adapter's inputs
+            if key in inputs:
+                steps[-1][key] = inputs[key].detach().clone()
         steps[-1]["shapes"] = inputs["_shapes"]
         steps[-1]["pred"] = pred.detach().clone()
         return pred

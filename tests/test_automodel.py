@@ -63,10 +63,26 @@ def _crop(x: torch.Tensor, shape) -> torch.Tensor:
     return x[(..., *(slice(0, n) for n in shape))]
 
 
-def _stock_wan(model, hidden, timestep, text) -> torch.Tensor:
-    return model(
-        hidden_states=hidden[None], timestep=timestep[None], encoder_hidden_states=text[None], return_dict=False
-    )[0][0]
+def _stock(kind: str, model, rec: dict, b: int, shape, source: dict) -> torch.Tensor:
+    """The stock model's forward of sample ``b`` alone: the latents and timestep the stock
+    adapter prepared (cropped to the sample), its own unpadded text from the cache."""
+    text = source["text_embeddings"][0].double()
+    if kind == "wan":
+        hidden = _crop(rec["hidden_states"][b], shape)
+        args = dict(hidden_states=hidden[None], timestep=rec["timestep"][b][None], encoder_hidden_states=text[None])
+    else:  # the hunyuan adapter's T2V inputs: zero image states of its default shape, masks of ones
+        ones = lambda n: torch.ones(1, n, dtype=torch.float64)  # noqa: E731
+        text_2 = source["text_embeddings_2"][0].double()
+        args = dict(
+            hidden_states=_crop(rec["latents"][b], shape)[None],
+            timestep=rec["timesteps"][b][None],
+            encoder_hidden_states=text[None],
+            encoder_attention_mask=ones(text.shape[0]),
+            encoder_hidden_states_2=text_2[None],
+            encoder_attention_mask_2=ones(text_2.shape[0]),
+            image_embeds=torch.zeros(1, 4, 3, dtype=torch.float64),
+        )
+    return model(**args, return_dict=False)[0][0]
 
 
 def _source(items: list[dict], clean: torch.Tensor) -> dict:
@@ -78,20 +94,24 @@ def _source(items: list[dict], clean: torch.Tensor) -> dict:
     return found[0]
 
 
-def test_mixed_sizes_and_durations_are_exact_against_per_sample_math(tmp_path):
+@pytest.mark.parametrize("kind", ["wan", "hunyuan"])
+def test_mixed_sizes_and_durations_are_exact_against_per_sample_math(tmp_path, kind):
     """knapformer's loader deals each rank clips of 1-5 latent frames and images at several
-    sizes under a token budget; every step, on both ranks: each prediction = the stock Wan
-    forward of that sample alone; the recipe's loss (mean over ranks) and its gradient norm =
-    those of the global mean over every valid element, computed per sample."""
-    from diffusers import WanTransformer3DModel
+    sizes under a token budget (with text, and HunyuanVideo's byT5 text, of different lengths);
+    every step, on both ranks: each prediction = the stock model's forward of that sample
+    alone; the recipe's loss (mean over ranks) and its gradient norm = those of the global mean
+    over every valid element, computed per sample."""
+    import diffusers
 
     root = str(tmp_path)
-    W.write_model("wan", root)
-    items = W.mixed_samples("wan")
-    write_automodel_cache(os.path.join(root, "wan-mixed"), items)
-    out = run_distributed(W.mixed, 2, root, "wan", 80, timeout=300, start_method="spawn")
+    W.write_model(kind, root)
+    items = W.mixed_samples(kind)
+    write_automodel_cache(os.path.join(root, f"{kind}-mixed"), items)
+    budget = {"wan": 80, "hunyuan": 320}[kind]  # the longest sample fits: 80 Wan tokens, 320 HunyuanVideo tokens
+    out = run_distributed(W.mixed, 2, root, kind, budget, timeout=300, start_method="spawn")
     out = [torch.load(io.BytesIO(b), weights_only=False) for b in out]
-    model = WanTransformer3DModel(**W.WAN).double()
+    cls, cfg, _, _ = W.MODELS[kind]
+    model = getattr(diffusers, cls)(**cfg).double()
     shift = 3.0  # Automodel's default flow_shift: loss weight 1 + shift · sigma
     steps = [r["steps"] for r in out]
     assert len(steps[0]) == len(steps[1]) == 3 and len(out[0]["norms"]) == 3
@@ -111,10 +131,8 @@ def test_mixed_sizes_and_durations_are_exact_against_per_sample_math(tmp_path):
         for rank in range(2):
             rec = steps[rank][s]
             for b, shape in enumerate(rec["shapes"]):
-                # the sample as the cache holds it (its own text, unpadded), noised as the recipe did
                 source = _source(items, _crop(rec["clean"][b], shape))
-                hidden = _crop(rec["hidden_states"][b], shape)
-                ref = _stock_wan(model, hidden, rec["timestep"][b], source["text_embeddings"][0].double())
+                ref = _stock(kind, model, rec, b, shape, source)
                 pred = _crop(rec["pred"][b], shape)
                 assert pred.shape == ref.shape
                 err = ((pred - ref).abs().max() / ref.abs().max()).item()
