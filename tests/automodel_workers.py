@@ -283,18 +283,23 @@ def _loader(root: str, kind: str) -> dict:
 
 def stock_vs_knapformer(rank: int, world: int, root: str, kinds: list[str]) -> dict:
     """Each model: the stock recipe, then the recipe with knapformer (``auto``), same seed; Wan
-    also runs Automodel's validation loop after every step."""
+    also runs Automodel's validation loop after every step; ``wan-ddp``: Wan under
+    Automodel's DDP mode instead of FSDP2."""
     torch.set_num_threads(1)
     out = {}
-    for kind in kinds:
+    for name in kinds:
+        kind, ddp = name.removesuffix("-ddp"), name.endswith("-ddp")  # "wan-ddp": Automodel's ddp: mode
         runs = []
         for hook in (None, {"layout": "auto"}):
             cfg = recipe_config(kind, root, _loader(root, kind))
-            if kind == "wan":
+            if ddp:
+                del cfg["fsdp"]
+                cfg["ddp"] = {}
+            elif kind == "wan":
                 cfg["data"]["validation_dataloader"] = {**_loader(root, kind), "length": 4}
                 cfg["step_scheduler"]["val_every_steps"] = 1
             runs.append(run_recipe(cfg, knapformer=hook))
-        out[kind] = tuple(runs)
+        out[name] = tuple(runs)
     return out
 
 

@@ -4,9 +4,10 @@ families reach them through :mod:`knapformer.integrations.seam`)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -111,6 +112,23 @@ def grid_ids(n: int, axes: int = 3, dtype: torch.dtype = torch.float64) -> torch
     return ids
 
 
+_CALLERS: dict[int, torch.nn.Module] = {}
+"""id(module) -> the wrapper whose call runs it (:func:`called_through`)."""
+
+
+@contextlib.contextmanager
+def called_through(wrapper: torch.nn.Module, module: torch.nn.Module) -> Iterator[None]:
+    """Within the block, :func:`through_root` of ``module`` calls ``wrapper()`` — a
+    ``DistributedDataParallel`` around it — so that the wrapper's own forward logic runs (DDP
+    prepares its gradient reduction there) while the families read ``module``'s config and
+    submodules. Private to the integrations (Automodel's DDP mode uses it)."""
+    _CALLERS[id(module)] = wrapper
+    try:
+        yield
+    finally:
+        _CALLERS.pop(id(module), None)
+
+
 def through_root(model: torch.nn.Module, run: Callable[[], PackedOutput]) -> PackedOutput:
     """``run()`` — a family's packed forward — as the model's own call, in place of its stock
     ``forward``: ``model()`` runs the hooks a stock call runs on the root. Why: a trainer that
@@ -123,6 +141,7 @@ def through_root(model: torch.nn.Module, run: Callable[[], PackedOutput]) -> Pac
     deadlock). Hooks of your own on the root run too, and see a call without arguments.
     Returns ``run()``'s output, holding the tensors the call returned."""
     box: dict[str, PackedOutput] = {}
+    caller = _CALLERS.get(id(model), model)
 
     def forward(*args, **kwargs):
         box["out"] = out = run()
@@ -135,7 +154,7 @@ def through_root(model: torch.nn.Module, run: Callable[[], PackedOutput]) -> Pac
             # the per-sample outputs are views of ``flat``, which FSDP2 warns of (an in-place op
             # on one would drop its hook): ``flat``'s own hook still runs the root's backward
             warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-            parts, flat = model()
+            parts, flat = caller()
     finally:
         if saved is None:
             del model.forward

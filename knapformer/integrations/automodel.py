@@ -31,6 +31,7 @@ Nothing here imports ``nemo_automodel``: the adapter follows the protocol of Aut
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,8 +40,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 
 from knapformer.config import BalancerConfig
+from knapformer.integrations._diffusers import called_through
 from knapformer.training import global_mean_loss
 
 __all__ = ["KnapformerAdapter", "use_knapformer"]
@@ -227,10 +230,15 @@ class KnapformerAdapter:
         """Plan the step, run the packed forward, and return the dense prediction the
         pipeline expects (each sample in its corner of the padded batch, zeros around it)."""
         shapes = inputs["_shapes"]
+        wrapper, model = (model, model.module) if isinstance(model, DistributedDataParallel) else (None, model)
         samples = self.family.split(model, inputs, shapes, self.inner)
         bal = self._balancer(model)
         bal.plan(self.family.seq_lens(model, samples))
-        outs = self.family.unsplit(model, list(self.family.forward(model, samples, bal)), shapes, self.inner)
+        # under DDP (Automodel's ``ddp:`` mode) the wrapper's call runs the packed forward, so DDP
+        # prepares its gradient reduction as for a stock forward
+        with called_through(wrapper, model) if wrapper is not None else contextlib.nullcontext():
+            outs = list(self.family.forward(model, samples, bal))
+        outs = self.family.unsplit(model, outs, shapes, self.inner)
         full = tuple(inputs["_noisy_latents"].shape[2:])
         pred = torch.stack(
             [F.pad(o, [p for n, m in zip(reversed(o.shape[1:]), reversed(full)) for p in (0, m - n)]) for o in outs]
