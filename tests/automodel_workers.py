@@ -232,7 +232,8 @@ def run_recipe(cfg: dict, *, knapformer: dict | None = None, record: bool = Fals
             weigh = pipe.compute_loss
 
             def weigh_and_record(pred, target, sigma, batch=None):
-                steps[-1]["sigma"] = sigma.detach().clone()
+                if torch.is_grad_enabled():
+                    steps[-1]["sigma"] = sigma.detach().clone()
                 return weigh(pred, target, sigma, batch)
 
             pipe.compute_loss = weigh_and_record
@@ -258,6 +259,8 @@ def _record_adapter(adapter, steps: list[dict]) -> None:
 
     def forward_and_record(model, inputs):
         pred = forward(model, inputs)
+        if not torch.is_grad_enabled():  # Automodel's validation: not a training step
+            return pred
         for key in ("hidden_states", "timestep", "latents", "timesteps"):  # the stock adapter's inputs
             if key in inputs:
                 steps[-1][key] = inputs[key].detach().clone()
@@ -266,7 +269,8 @@ def _record_adapter(adapter, steps: list[dict]) -> None:
         return pred
 
     def loss_and_record(pred, target):
-        steps[-1]["target"] = target.detach().clone()
+        if torch.is_grad_enabled():
+            steps[-1]["target"] = target.detach().clone()
         return loss(pred, target)
 
     adapter.forward = forward_and_record
@@ -311,6 +315,9 @@ def mixed(rank: int, world: int, root: str, kind: str, max_tokens: int) -> bytes
     cfg = recipe_config(kind, root, budget_loader(os.path.join(root, f"{kind}-mixed"), kind, max_tokens))
     cfg["flow_matching"]["i2v_prob"] = 0.0
     cfg["flow_matching"]["cfg_dropout_prob"] = 0.0
+    # Automodel's validation on knapformer's loader too (its default drop_last: false for validation)
+    cfg["data"]["validation_dataloader"] = budget_loader(os.path.join(root, f"{kind}-mixed"), kind, max_tokens)
+    cfg["step_scheduler"]["val_every_steps"] = 3
     buf = io.BytesIO()
     torch.save(run_recipe(cfg, knapformer={"layout": "auto"}, record=True), buf)
     return buf.getvalue()

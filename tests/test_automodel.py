@@ -117,6 +117,9 @@ def test_mixed_sizes_and_durations_are_exact_against_per_sample_math(tmp_path, k
     shift = 3.0  # Automodel's default flow_shift: loss weight 1 + shift · sigma
     steps = [r["steps"] for r in out]
     assert len(steps[0]) == len(steps[1]) == 3 and len(out[0]["norms"]) == 3
+    # Automodel's validation after step 3 ran on the same loader (drop_last: false) on both ranks
+    assert len(out[0]["val"]) == len(out[1]["val"]) == 1 and out[0]["val"] == out[1]["val"], [r["val"] for r in out]
+    assert math.isfinite(out[0]["val"][0])
     counts = [(len(steps[0][s]["shapes"]), len(steps[1][s]["shapes"])) for s in range(3)]
     shapes = {tuple(x) for r in steps for st in r for x in st["shapes"]}
     assert any(a != b for a, b in counts), counts  # ranks hold different numbers of samples
@@ -181,6 +184,13 @@ def test_cache_lengths_collate_and_clear_errors(tmp_path):
     assert batch["text_mask"].sum(1).tolist() == [3, 2, 5] and batch["text_embeddings"].shape == (3, 5, 8)
     assert torch.equal(batch["video_latents"][1, :, :1, :6, :4], data[3]["video_latents"][0])
     assert batch["video_latents"][1, :, :, :, 4:].abs().sum() == 0  # padding is zeros
+    # drop_last=False: the last step (3 one-sample batches on 2 ranks) leaves rank 1 without a
+    # sample, so both ranks leave it out (an empty batch would stop one rank's pipeline only)
+    lone = TokenBudgetDataloaderConfig(cache_dir=str(clips), max_tokens=80, max_samples=1, drop_last=False)
+    for rank in range(2):
+        build = lone.build(dp_rank=rank, dp_world_size=2, batch_size=1)
+        assert len(build.dataloader) == 1 and len(list(build.dataloader)) == 1
+        assert build.sampler.state_dict() == build.sampler.sampler.state_dict()
     with pytest.raises(ValueError, match="patch"):
         TokenBudgetDataloaderConfig(cache_dir=str(clips), max_tokens=64, patch=[2, 2]).lengths(data)
     with pytest.raises(FileNotFoundError, match="metadata.json"):

@@ -32,7 +32,13 @@ import torch.nn.functional as F
 
 from knapformer.data import TokenBudgetBatchSampler
 
-__all__ = ["AutomodelCache", "TokenBudgetDataloaderConfig", "collate_padded", "write_automodel_cache"]
+__all__ = [
+    "AutomodelCache",
+    "StepsWithSamples",
+    "TokenBudgetDataloaderConfig",
+    "collate_padded",
+    "write_automodel_cache",
+]
 
 _LATENTS = ("video_latents", "image_latents")
 _TEXT = (("text_embeddings", "text_mask"), ("text_embeddings_2", "text_mask_2"))
@@ -142,6 +148,34 @@ def collate_padded(items: list[dict[str, Any]], latents_key: str = "video_latent
     return batch
 
 
+class StepsWithSamples:
+    """A :class:`TokenBudgetBatchSampler`'s batches for one rank, leaving out the steps where any
+    rank's batch is empty: Automodel's pipeline cannot run an empty batch, and every rank must
+    leave out the same steps (its adapter's plan is collective). Only the last step of an epoch
+    dealt with ``drop_last=False`` can have one, when it holds fewer samples than ranks. The
+    sampler's ``set_epoch`` and state (Automodel checkpoints it) pass through."""
+
+    def __init__(self, sampler: TokenBudgetBatchSampler) -> None:
+        self.sampler = sampler
+
+    def __iter__(self):
+        for step in self.sampler.iter_steps():
+            if all(step):
+                yield step[self.sampler.rank]
+
+    def __len__(self) -> int:
+        return sum(1 for step in self.sampler.steps() if all(step))
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def state_dict(self) -> dict:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state)
+
+
 @dataclass
 class TokenBudgetDataloaderConfig:
     """``data.dataloader._target_: knapformer.integrations.automodel_data.TokenBudgetDataloaderConfig``.
@@ -150,8 +184,10 @@ class TokenBudgetDataloaderConfig:
     tokens per rank per step (sizes divided by ``patch``: Wan ``[1, 2, 2]``, HunyuanVideo 1.5
     ``[1, 1, 1]``, FLUX.1 ``[2, 2]``). The recipe's ``batch_size`` (``local_batch_size``) is
     not used: the budget decides how many samples a batch holds (``max_samples`` caps it).
-    ``drop_last``: drop the epoch's last step rather than deal a rank an empty batch, which
-    Automodel's pipeline cannot take.
+    ``drop_last``: drop the epoch's last partial step (the default). Without it the last step's
+    batches are halved to reach every rank, and a step that still leaves a rank without a sample
+    is left out on every rank (:class:`StepsWithSamples`): Automodel's pipeline cannot take an
+    empty batch. Automodel's validation loader defaults to ``drop_last: false``.
     """
 
     cache_dir: str | list[str]
@@ -191,10 +227,11 @@ class TokenBudgetDataloaderConfig:
             seed=self.seed,
             drop_last=self.drop_last,
         )
+        batches = sampler if self.drop_last else StepsWithSamples(sampler)
         loader = torch.utils.data.DataLoader(
             dataset,
-            batch_sampler=sampler,
+            batch_sampler=batches,
             collate_fn=partial(collate_padded, latents_key=self.latents_key),
             num_workers=self.num_workers,
         )
-        return DiffusionDataloaderBuild(dataloader=loader, sampler=sampler, drop_last=self.drop_last)
+        return DiffusionDataloaderBuild(dataloader=loader, sampler=batches, drop_last=self.drop_last)
