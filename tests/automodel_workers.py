@@ -75,7 +75,7 @@ def mixed_samples(kind: str, seed: int = 0) -> list[dict]:
     rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     out = []
     if kind == "flux":
-        for h, w, txt in [(4, 6, 3), (8, 8, 5), (6, 4, 2), (4, 4, 4), (10, 8, 6), (6, 6, 3), (4, 8, 5), (8, 4, 2)]:
+        for h, w, txt in [(4, 6, 3), (8, 8, 5), (6, 4, 2), (4, 4, 4), (10, 8, 6), (6, 6, 3), (4, 8, 5), (8, 4, 2)] * 2:
             out.append({"image_latents": rnd(1, 4, h, w), "text_embeddings": rnd(1, txt, 8)})
         return out
     channels, width = (4, 8) if kind == "wan" else (2, 6)
@@ -218,7 +218,8 @@ def run_recipe(cfg: dict, *, knapformer: dict | None = None, record: bool = Fals
                 return step(*a, **k)
             if record:
                 batch = k.get("batch", a[1] if len(a) > 1 else None)
-                steps.append({"weights": _full_weights(recipe.model), "clean": batch["video_latents"].clone()})
+                clean = batch["video_latents"] if "video_latents" in batch else batch["image_latents"]
+                steps.append({"weights": _full_weights(recipe.model), "clean": clean.clone()})
             out = step(*a, **k)
             losses.append(float(out[1].detach()))
             return out
@@ -253,15 +254,23 @@ def _full_weights(model) -> dict:
 
 
 def _record_adapter(adapter, steps: list[dict]) -> None:
-    """Keep, per step, the stock adapter's latents and timesteps (Wan's or HunyuanVideo's), the
-    predictions and targets."""
+    """Keep, per step, the stock adapter's latents, timesteps and guidance (Wan's, HunyuanVideo's
+    or FLUX's; the pipeline's noisy latents, which FLUX's adapter packs), the predictions and
+    targets."""
     forward, loss = adapter.forward, adapter.inner.compute_loss
 
     def forward_and_record(model, inputs):
         pred = forward(model, inputs)
         if not torch.is_grad_enabled():  # Automodel's validation: not a training step
             return pred
-        for key in ("hidden_states", "timestep", "latents", "timesteps"):  # the stock adapter's inputs
+        for key in (
+            "hidden_states",
+            "timestep",
+            "latents",
+            "timesteps",
+            "guidance",
+            "_noisy_latents",
+        ):  # the stock adapter's inputs
             if key in inputs:
                 steps[-1][key] = inputs[key].detach().clone()
         steps[-1]["shapes"] = inputs["_shapes"]
