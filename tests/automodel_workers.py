@@ -13,6 +13,8 @@ import os
 
 import torch
 
+from tests.hunyuanvideo15_workers import TINY as TINY_HUNYUAN
+
 WAN = dict(
     patch_size=(1, 2, 2),
     num_attention_heads=2,
@@ -25,21 +27,8 @@ WAN = dict(
     num_layers=2,
     rope_max_seq_len=64,
 )
-HUNYUAN = dict(
-    in_channels=5,  # Automodel's hunyuan adapter: 2 noisy + 2 condition latents + 1 mask
-    out_channels=2,
-    num_attention_heads=2,
-    attention_head_dim=8,
-    num_layers=2,
-    num_refiner_layers=1,
-    mlp_ratio=2.0,
-    patch_size=1,
-    patch_size_t=1,
-    text_embed_dim=6,
-    text_embed_2_dim=4,
-    image_embed_dim=3,
-    rope_axes_dim=(2, 2, 4),
-)
+HUNYUAN = TINY_HUNYUAN
+"""Automodel's hunyuan adapter feeds 2 noisy + 2 condition latents + 1 mask channel: 5 in, 2 out."""
 FLUX = dict(
     in_channels=16,  # 4 latent channels packed 2x2
     num_layers=1,
@@ -330,3 +319,36 @@ def mixed(rank: int, world: int, root: str, kind: str, max_tokens: int) -> bytes
     buf = io.BytesIO()
     torch.save(run_recipe(cfg, knapformer={"layout": "auto"}, record=True), buf)
     return buf.getvalue()
+
+
+def bad_sizes_everywhere(rank: int, world: int) -> tuple[str, str]:
+    """The adapter alone (no Automodel), Wan, 2 ranks: rank 1's batch says a size larger than its
+    padded latents. Every rank raises, naming rank 1, at the step's plan (none waits in a
+    collective the other left). Returns (exception type, message)."""
+    from types import SimpleNamespace
+
+    import diffusers
+
+    from knapformer.integrations.automodel import KnapformerAdapter
+
+    class SimpleAdapter:  # Automodel's Wan adapter, as far as the knapformer adapter uses it
+        def prepare_inputs(self, context):
+            n = context.noisy_latents.shape[0]
+            return {
+                "hidden_states": context.noisy_latents,
+                "timestep": torch.full((n,), 500.0, dtype=torch.float64),
+                "encoder_hidden_states": context.batch["text_embeddings"],
+            }
+
+    torch.manual_seed(0)
+    model = diffusers.WanTransformer3DModel(**WAN).double()
+    adapter = KnapformerAdapter(SimpleAdapter())
+    latents = torch.randn(2, 4, 2, 4, 6, dtype=torch.float64)
+    shapes = [[2, 4, 6], [1, 4, 4]] if rank == 0 else [[2, 4, 6], [1, 6, 4]]  # rank 1: 6 rows > 4
+    batch = {"text_embeddings": torch.randn(2, 3, 8, dtype=torch.float64), "latent_shapes": torch.tensor(shapes)}
+    try:
+        inputs = adapter.prepare_inputs(SimpleNamespace(batch=batch, noisy_latents=latents))
+        adapter.forward(model, inputs)
+    except Exception as exc:  # noqa: BLE001 (the test compares what each rank raised)
+        return type(exc).__name__, str(exc)
+    return "ok", ""

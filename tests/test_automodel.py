@@ -237,3 +237,12 @@ def test_cache_lengths_collate_and_clear_errors(tmp_path):
 
     with pytest.raises(ValueError, match="cp_size is 2"):
         use_knapformer(Recipe())
+
+
+def test_bad_sizes_on_one_rank_raise_on_every_rank():
+    """A batch whose ``latent_shapes`` do not fit its latents, on rank 1 only: both ranks raise
+    the same ``BalancerInputError`` naming rank 1 and the sizes (no hang)."""
+    res = run_distributed(W.bad_sizes_everywhere, 2, timeout=120)
+    for kind, msg in res:
+        assert kind == "BalancerInputError", msg
+        assert "rank(s) [1]" in msg and "must fit the padded latents (2, 4, 6)" in msg, msg

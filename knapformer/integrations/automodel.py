@@ -175,6 +175,25 @@ FAMILIES: dict[str, Callable[[], _Family]] = {
 ``simple`` = Wan, ``flux`` = FLUX.1, ``hunyuan`` = HunyuanVideo 1.5)."""
 
 
+def _sizes(given: Any, count: int, full: tuple[int, ...]) -> tuple[list[tuple[int, ...]], str]:
+    """Each sample's true latent sizes (``batch["latent_shapes"]``; all ``full`` without it),
+    and what is wrong with them ("" when nothing is)."""
+    if count == 0:
+        return [], "an empty batch: Automodel's pipeline needs at least one sample on every rank per step"
+    if given is None:
+        return [full] * count, ""
+    shapes = [tuple(int(n) for n in s) for s in torch.as_tensor(given).tolist()]
+    if len(shapes) != count or any(len(s) != len(full) for s in shapes):
+        return (
+            shapes,
+            f"batch['latent_shapes'] must give the {len(full)} trailing sizes of each of the {count} samples, "
+            f"got {shapes}",
+        )
+    if any(not 0 < n <= m for s in shapes for n, m in zip(s, full)):
+        return shapes, f"batch['latent_shapes'] {shapes} must fit the padded latents {full}"
+    return shapes, ""
+
+
 class KnapformerAdapter:
     """Automodel's model adapter, balanced: see the module docstring.
 
@@ -204,22 +223,12 @@ class KnapformerAdapter:
         """The stock adapter's inputs, plus each sample's true size and text rows."""
         inputs = self.inner.prepare_inputs(context)
         batch, latents = context.batch, context.noisy_latents
-        shapes = batch.get("latent_shapes")
         full = tuple(latents.shape[2:])
-        if shapes is None:
-            shapes = [full] * latents.shape[0]
-        else:
-            shapes = [tuple(int(n) for n in s) for s in torch.as_tensor(shapes).tolist()]
-            if len(shapes) != latents.shape[0] or any(len(s) != len(full) for s in shapes):
-                raise ValueError(
-                    f"batch['latent_shapes'] must give the {len(full)} trailing sizes of each of the "
-                    f"{latents.shape[0]} samples, got {shapes}"
-                )
-            if any(not 0 < n <= m for s in shapes for n, m in zip(s, full)):
-                raise ValueError(f"batch['latent_shapes'] {shapes} must fit the padded latents {full}")
-        if not shapes:
-            raise ValueError("an empty batch reached the adapter: every rank needs at least one sample per step")
-        inputs["_shapes"] = shapes
+        shapes, problem = _sizes(batch.get("latent_shapes"), latents.shape[0], full)
+        # a problem only this rank sees is raised on every rank by the step's plan (forward), so
+        # that no rank waits in a collective this one has left
+        inputs["_problem"] = problem
+        inputs["_shapes"] = shapes if not problem else [full] * latents.shape[0]
         inputs["_noisy_latents"] = latents
         mask = batch.get("text_mask")
         if mask is not None and "encoder_hidden_states" in inputs:
@@ -233,6 +242,8 @@ class KnapformerAdapter:
         wrapper, model = (model, model.module) if isinstance(model, DistributedDataParallel) else (None, model)
         samples = self.family.split(model, inputs, shapes, self.inner)
         bal = self._balancer(model)
+        if inputs["_problem"]:
+            bal.report_error(f"KnapformerAdapter: {inputs['_problem']}")
         bal.plan(self.family.seq_lens(model, samples))
         # under DDP (Automodel's ``ddp:`` mode) the wrapper's call runs the packed forward, so DDP
         # prepares its gradient reduction as for a stock forward
