@@ -17,6 +17,11 @@ Each model family is one module with its packed forward and a
 - :mod:`knapformer.integrations.sd3`: diffusers ``SD3Transformer2DModel`` (SD3 Medium, SD3.5 Large);
 - :mod:`knapformer.integrations.torchtitan_flux`: torchtitan's ``FluxModel``
   (``pip install 'knapformer[torchtitan]'``).
+
+Trainers: :mod:`knapformer.integrations.automodel` runs NeMo Automodel's diffusion recipe with
+the Wan, FLUX.1 and HunyuanVideo 1.5 families (one hook after ``setup()``), and
+:mod:`knapformer.integrations.automodel_data` feeds it token-budget batches of mixed sizes and
+durations (docs/automodel.md).
 """
 
 __all__: list[str] = []
