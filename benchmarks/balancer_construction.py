@@ -79,7 +79,14 @@ def main() -> None:
     print(f"SequenceBalancer(layout='auto') over the world, gloo CPU ranks{' (lazy gloo init)' if args.lazy else ''}")
     print_table(
         rows,
-        [("ranks", "d"), ("median_s", ".3f"), ("max_s", ".3f"), ("fds", "d"), ("fds_per_peer", ".2f"), ("rss_mb", ".1f")],
+        [
+            ("ranks", "d"),
+            ("median_s", ".3f"),
+            ("max_s", ".3f"),
+            ("fds", "d"),
+            ("fds_per_peer", ".2f"),
+            ("rss_mb", ".1f"),
+        ],
     )
     write_json(args.out, rows, lazy=args.lazy)
 
