@@ -1,6 +1,6 @@
 """What building a ``SequenceBalancer`` costs as the group grows: time, sockets and memory per rank.
 
-    python benchmarks/balancer_construction.py [--ranks 4 8 16 32] [--lazy] [--out runs/bench/balancer_construction.json]
+    python benchmarks/balancer_construction.py [--ranks 4 8 16 32] [--lazy] [--out FILE.json]
 
 Each rank (a gloo CPU process) builds ``SequenceBalancer(BalancerConfig(layout="auto", cost=...))``
 over the world, as a training script does, and reports: the wall time of the constructor (after
