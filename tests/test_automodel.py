@@ -237,6 +237,8 @@ def test_cache_lengths_collate_and_clear_errors(tmp_path):
 
     with pytest.raises(ValueError, match="cp_size is 2"):
         use_knapformer(Recipe())
+    with pytest.raises(RuntimeError, match=r"call recipe.setup\(\) first"):
+        use_knapformer(type("TrainDiffusionRecipe", (), {})())
 
 
 def test_bad_sizes_on_one_rank_raise_on_every_rank():

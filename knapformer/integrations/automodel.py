@@ -300,7 +300,12 @@ def use_knapformer(recipe: Any, **kwargs: Any) -> KnapformerAdapter:
     through knapformer. ``kwargs`` go to :class:`KnapformerAdapter`. Refuses Automodel's own
     context parallelism (``fsdp.cp_size`` > 1): knapformer's per-sequence groups replace it, and
     the two would split the same sequences twice."""
-    pipeline = recipe.flow_matching_pipeline
+    pipeline = getattr(recipe, "flow_matching_pipeline", None)
+    if pipeline is None or not hasattr(pipeline, "model_adapter"):
+        raise RuntimeError(
+            f"use_knapformer needs a set-up recipe: call recipe.setup() first ({type(recipe).__name__} has no "
+            "flow_matching_pipeline with a model_adapter yet)"
+        )
     cp = int(getattr(recipe, "cp_size", 1) or 1)
     if cp > 1:
         raise ValueError(
