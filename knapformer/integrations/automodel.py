@@ -71,6 +71,11 @@ def _rows(mask: torch.Tensor | None, b: int, x: torch.Tensor) -> torch.Tensor:
     return x[b].index_select(0, keep.to(x.device, non_blocking=True))
 
 
+def _as_is(model, outs: list[torch.Tensor], shapes, inner) -> list[torch.Tensor]:
+    """Per-sample outputs already in the stock adapter's layout (Wan, HunyuanVideo 1.5)."""
+    return outs
+
+
 def _crop(x: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     """The leading corner ``shape`` of ``x``'s trailing dims (a sample inside a padded batch)."""
     return x[(..., *(slice(0, n) for n in shape))]
@@ -91,9 +96,7 @@ def _wan_split(model, inputs: dict, shapes, inner) -> list:
 def _wan_family() -> _Family:
     from knapformer.integrations import wan
 
-    return _Family(
-        "wan", _wan_split, wan.wan_seq_lens, wan.packed_wan_forward, wan.wan_workload, lambda m, outs, s, i: list(outs)
-    )
+    return _Family("wan", _wan_split, wan.wan_seq_lens, wan.packed_wan_forward, wan.wan_workload, _as_is)
 
 
 # -- Flux (Automodel's "flux" adapter) --------------------------------------------------------------
@@ -162,7 +165,7 @@ def _hunyuan_family() -> _Family:
         hv.hunyuanvideo15_seq_lens,
         hv.packed_hunyuanvideo15_forward,
         hv.hunyuanvideo15_workload,
-        lambda m, outs, s, i: list(outs),
+        _as_is,
     )
 
 
