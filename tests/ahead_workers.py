@@ -146,6 +146,10 @@ def count_collectives(rank: int, world: int) -> dict:
         phase[0] = "long plan"
         plan = bal.plan(long)
         counts["long same"] = int(plan.digest() == bal.planner()([[5 + i for i in range(40)], [7] * 3]).digest())
+        phase[0] = "long again"
+        plan = bal.plan(long[::-1])
+        again = [[5 + i for i in range(40)][::-1], [7] * 3]
+        counts["long again same"] = int(plan.digest() == bal.planner()(again).digest())
     finally:
         for name, fn in saved.items():
             setattr(dist, name, fn)

@@ -43,18 +43,20 @@ def test_planned_steps_refuses_what_it_cannot_plan():
         Planner("auto", WorkloadModel(d_model=8), solver="fast")
 
 
-def test_plan_costs_two_whole_group_collectives_per_step():
+def test_plan_costs_one_whole_group_collective_per_step():
     """Steady-state steps of the reference MMDiT on 2 gloo ranks (g1n2 and auto): ``bal.plan``
-    makes two whole-group host collectives (the agreement, which also learns the largest
-    count, then one gather of every rank's count, measured seconds and lengths; before: the
-    agreement and two gathers), ``use_plan`` one (the digest agreement); a rank with 40
-    sequences gets the plan its planner makes. The step itself keeps two (its first exchange
-    call's and ``route``'s agreements, where bad shapes raise on every rank)."""
+    makes one whole-group host collective (the agreement, whose rows carry every rank's
+    measured seconds and lengths; before: the agreement and a gather), ``use_plan`` one (the
+    digest agreement); a rank with 40 sequences (more than the rows hold) makes every rank
+    gather once more and gets the plan its planner makes, and the rows then hold 40. The step
+    itself keeps two (its first exchange call's and ``route``'s agreements, where bad shapes
+    raise on every rank)."""
     res = run_distributed(W.count_collectives, 2, timeout=300)
     for counts in res:
         for layout in ("g1n2", "auto"):
             for step in range(1, 4):
-                assert counts[f"{layout} plan {step} collective"] == 2, counts
+                assert counts[f"{layout} plan {step} collective"] == 1, counts
                 assert counts.get(f"{layout} step {step} collective", 0) <= 2, counts
             assert counts[f"{layout} use_plan 1 collective"] == 1, counts
         assert counts["long plan collective"] == 2 and counts["long same"] == 1, counts
+        assert counts["long again collective"] == 1 and counts["long again same"] == 1, counts

@@ -1,19 +1,24 @@
-"""Cross-rank agreement: one small all-reduce that every rank joins before data moves.
+"""Cross-rank agreement: one small all-gather that every rank joins before data moves.
 
 A problem only one rank can see (its lengths, the rows of its tensor, a plan it was handed, a
 layer it skipped) must not make that rank leave the collective the others are entering: every
 rank would hang, or gloo would abort on mismatched buffers. So every exchange of the balancer
 first joins :func:`agree` with a description of the call (:class:`Call`: which operation, its
 index in the step, the step, and the values that must match, e.g. dtypes and trailing shapes).
-The row is fixed-size whatever the call, so ranks that are at *different* calls still meet in
-the same collective and find out: an ``all_reduce(MAX)`` of ``[error flag, v, -v, ...]`` says at
-once whether any rank failed or any value differs. Only then (the error path) do two more
-collectives gather every rank's description and error text, so that every rank raises the same
-message naming each rank's call and values — the ranks that did nothing wrong carry the
-culprit's reason.
+The row is fixed-size whatever the call — an error flag, digests of the call, a few flags, and
+``capacity`` slots of *payload* — so ranks that are at *different* calls still meet in the same
+collective (one ``all_gather`` of the rows) and find out at once whether any rank failed or any
+value differs. The payload is what a call needs from every rank besides the check: ``plan``
+sends its lengths there, so that planning costs one collective, not an agreement and a gather.
+Only then (the error path) do two more collectives gather every rank's description and error
+text, so that every rank raises the same message naming each rank's call and values — the
+ranks that did nothing wrong carry the culprit's reason.
 
-Values are 62-bit digests (:func:`digest62`) so that ``-v`` fits an int64. With NCCL the
-agreement runs on a gloo twin of the group (CPU tensors: no device synchronisation).
+``capacity`` must be the same on every rank: it is the group's, changed only where every rank
+sees the same table (a payload longer than it is gathered in a second collective, and the
+capacity then grows for the next agreements: :class:`~knapformer.distributed.checks.StepChecks`).
+Values are 62-bit digests (:func:`digest62`). With NCCL the agreement runs on a gloo twin of the
+group (CPU tensors: no device synchronisation).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,8 +39,11 @@ from knapformer.distributed.backends import control_device
 from knapformer.errors import BalancerInputError, DivergentCallError, InvalidPlanError, PlanMismatchError
 
 __all__ = [
+    "DEFAULT_CAPACITY",
+    "Agreement",
     "Call",
     "agree",
+    "agree_rows",
     "describe",
     "describe_parts",
     "digest62",
@@ -48,6 +57,13 @@ __all__ = [
 
 NUM_FLAGS = 3
 """Flag slots every agreement row carries (the row's size must not depend on the call)."""
+
+DEFAULT_CAPACITY = 16
+"""Payload slots of a new group's agreement rows (``plan``: the measured seconds and up to 15
+lengths in one collective; more grow it)."""
+
+_HEAD = 1 + 5 + NUM_FLAGS + 1
+"""A row before its payload: the error flag, 5 digests of the call, the flags, the payload's length."""
 
 
 def digest62(text: str | bytes) -> int:
@@ -130,12 +146,35 @@ def digest_of(values: tuple) -> int:
     return digest62(json.dumps(values))
 
 
-def _row(call: Call, error: str, plan: int) -> list[int]:
-    values = [digest_of(call.op), call.index, call.step, digest_of(call.values), plan]
-    row = [1 if error else 0]
-    for v in values:
-        row += [v, -v]
+def _row(call: Call, error: str, plan: int, flags, payload, capacity: int) -> np.ndarray:
+    row = np.zeros(_HEAD + capacity, dtype=np.int64)
+    row[:6] = [1 if error else 0, digest_of(call.op), call.index, call.step, digest_of(call.values), plan]
+    row[6 : 6 + len(flags)] = [int(f) for f in flags]
+    row[_HEAD - 1] = len(payload)
+    n = min(len(payload), capacity)
+    row[_HEAD : _HEAD + n] = payload[:n]
     return row
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What an agreement learned besides "no problem": the maximum of each flag over the group,
+    and every rank's payload (``counts[r]`` values; only the first ``capacity`` are in
+    ``table[r]`` — :attr:`overflow` says some rank sent more)."""
+
+    flags: list[int]
+    counts: list[int]
+    table: np.ndarray
+    """(group size, capacity) payload slots."""
+
+    @property
+    def overflow(self) -> bool:
+        return bool(self.counts) and max(self.counts) > self.table.shape[1]
+
+    def payloads(self) -> list[list[int]]:
+        """Every rank's payload (needs no :attr:`overflow`)."""
+        assert not self.overflow, "a payload beyond the capacity is gathered separately"
+        return [self.table[r, :c].tolist() for r, c in enumerate(self.counts)]
 
 
 def agree(
@@ -147,19 +186,38 @@ def agree(
     what this rank's ``error`` is about (the message says "bad <what>"; ``divergent``: a call the
     other ranks did not make, raised as :class:`DivergentCallError`). ``flags``: small
     non-negative ints this rank contributes; returns their maximum over the group (what any
-    rank has, learned in the same collective)."""
+    rank has, learned in the same collective). Rows of :data:`DEFAULT_CAPACITY` (see
+    :func:`agree_rows` for a group whose capacity grew)."""
+    got = agree_rows(group, call, error, plan=plan, control=control, what=what, flags=flags)
+    return got.flags
+
+
+def agree_rows(
+    group,
+    call: Call,
+    error: str = "",
+    *,
+    plan: int = 0,
+    control=None,
+    what: str = "input",
+    flags=(),
+    payload: Sequence[int] = (),
+    capacity: int = DEFAULT_CAPACITY,
+) -> Agreement:
+    """:func:`agree`, also gathering every rank's ``payload`` (ints) in the same collective:
+    one ``all_gather`` of fixed-size rows (``capacity`` payload slots, the same on every rank)."""
     control = group if control is None else control
     if len(flags) > NUM_FLAGS:
         raise ValueError(f"agree takes at most {NUM_FLAGS} flags, got {len(flags)}")
-    # a fixed-size row whatever the call (flags zero-padded): ranks at different calls still meet
-    row = _row(call, error, plan) + [int(f) for f in flags] + [0] * (NUM_FLAGS - len(flags))
-    t = to_device(torch.from_numpy(np.asarray(row, dtype=np.int64)), group_device(control))
+    # a fixed-size row whatever the call: ranks at different calls still meet
+    t = to_device(torch.from_numpy(_row(call, error, plan, flags, list(payload), capacity)), group_device(control))
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(control))]
     phase = call.op if call.op in ("plan", "use_plan") else f"{call.op} (its agreement)"
-    lifetime.collective(lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control), (t,), phase, control)
-    m = _host_table(t).tolist()
-    n = len(m) - NUM_FLAGS
-    if m[0] == 0 and all(m[i] == -m[i + 1] for i in range(1, n, 2)):
-        return m[n : n + len(flags)]
+    lifetime.collective(lambda: dist.all_gather(parts, t, group=control), (t, *parts), phase, control)
+    table = _host_table(torch.stack(parts))
+    if not table[:, 0].any() and (table[:, 1:6] == table[0, 1:6]).all():
+        most = table[:, 6 : 6 + len(flags)].max(axis=0).tolist() if len(flags) else []
+        return Agreement(most, table[:, _HEAD - 1].tolist(), table[:, _HEAD:])
     _raise(control, call, error, plan, what)
     raise AssertionError("unreachable: _raise raises")  # pragma: no cover
 

@@ -40,6 +40,7 @@ import os
 from collections.abc import Sequence
 from typing import NoReturn
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -214,35 +215,40 @@ class SequenceBalancer:
     @eager_only
     def plan(self, local_seq_lens: Sequence[int]) -> Plan:
         """Gather every rank's lengths, plan, and build this rank's route spec. Collective over
-        the balancing group (an agreement that also learns the largest count, then one gather
-        of every rank's lengths); returns the same
+        the balancing group: one agreement that carries every rank's lengths (a second gather
+        only in a step where some rank holds more sequences than any before); returns the same
         :class:`Plan` on every rank. ``local_seq_lens``: a list, a numpy array or a 1-D integer
         tensor of this rank's sequence lengths (empty is fine)."""
         with trace.span(trace.PLAN):
             return self._plan_step(local_seq_lens)
 
     def _plan_step(self, local_seq_lens: Sequence[int]) -> Plan:
-        S = self.layout.group_size
         control = self._checks.control  # host tensors (the group's gloo, or its gloo twin): no device sync
         error, lens = "", []
         try:
             lens = list(validate_lengths(as_lengths(local_seq_lens), "local_seq_lens"))
         except ValueError as exc:
             error = str(exc)
-        # two whole-group collectives: the agreement (a fixed-size row, the same collective as
-        # every agreement, so ranks at different calls still meet), which also learns the
-        # largest count; then one gather of each rank's count, the previous step's measured
-        # seconds and its lengths, padded to that count
+        # one whole-group collective: the agreement (a fixed-size row, the same collective as
+        # every agreement, so ranks at different calls still meet) carries each rank's previous
+        # measured seconds and its lengths; a rank with more lengths than the rows hold makes
+        # every rank gather them once more, and the rows grow for the steps after
+        payload = [self._loop.seconds_bits(), *lens]
         try:
-            (most,) = self._checks.agree("plan", error, what="local_seq_lens", play=False, flags=(len(lens),))
+            got = self._checks.agree_rows("plan", error, what="local_seq_lens", play=False, payload=payload)
         except BalancerInputError:
             self._drop_plan()
             raise
-        row = [len(lens), self._loop.seconds_bits(), *lens]
-        table = gather_ints(control, row, [2 + most] * S, "plan").reshape(S, 2 + most)
+        if got.overflow:
+            flat = gather_ints(control, payload, got.counts, "plan")
+            ends = np.cumsum(got.counts)
+            rows = [flat[e - c : e].tolist() for e, c in zip(ends, got.counts)]
+            self._checks.grow(max(got.counts))
+        else:
+            rows = got.payloads()
         if self._loop.ready:  # the previous step's telemetry (with CUDA events: the one before)
-            self._loop.finish_step(self._loop.measured(table[:, 1]))
-        all_lens = ValidLens(tuple(table[r, 2 : 2 + int(c)].tolist()) for r, c in enumerate(table[:, 0]))
+            self._loop.finish_step(self._loop.measured(np.asarray([r[0] for r in rows], dtype=np.int64)))
+        all_lens = ValidLens(tuple(r[1:]) for r in rows)
         try:  # (lengths validated on their own ranks and agreed above; the planner any process can run)
             plan = self.planner()(all_lens)
         except ValueError as exc:  # e.g. an infeasible memory cap: the same on every rank

@@ -38,7 +38,15 @@ from dataclasses import dataclass
 
 import torch
 
-from knapformer.distributed.agree import Call, agree, describe_parts, digest_of, signature
+from knapformer.distributed.agree import (
+    DEFAULT_CAPACITY,
+    Agreement,
+    Call,
+    agree_rows,
+    describe_parts,
+    digest_of,
+    signature,
+)
 from knapformer.distributed.exchange import handshake
 from knapformer.errors import BalancerInputError
 
@@ -183,6 +191,9 @@ class StepChecks:
         self._failed = False
         self.rendezvous_count = 0
         """Agreements joined so far (what tests count)."""
+        self.capacity = DEFAULT_CAPACITY
+        """Payload slots of this group's agreement rows: the same on every rank (it grows only
+        where every rank saw the same table: :meth:`grow`)."""
 
     # -- steps ----------------------------------------------------------------------------------
     def new_step(self, plan_digest: int, *, agreed: bool) -> None:
@@ -238,13 +249,33 @@ class StepChecks:
         per-layer calls this rank skipped (off at step boundaries: ``plan``, ``flush``).
         ``flags``: small ints whose maximum over the group is returned
         (:func:`~knapformer.distributed.agree.agree`)."""
+        return self.agree_rows(op, error, values, what, play=play, flags=flags).flags
+
+    def agree_rows(
+        self,
+        op: str,
+        error: str = "",
+        values: tuple[tuple[str, str], ...] = (),
+        what: str = "input",
+        *,
+        play: bool = True,
+        flags=(),
+        payload=(),
+    ) -> Agreement:
+        """:meth:`agree`, also gathering every rank's ``payload`` in the same collective."""
         if play:
             self._play_skipped(op)
-        out = self._agree(op, error, values, what, flags)
+        out = self._agree(op, error, values, what, flags, payload)
         self._close_segment()  # a rendezvous ends the segment: the next call opens another
         return out
 
-    def _agree(self, op: str, error: str, values: tuple, what: str, flags=()) -> list[int]:
+    def grow(self, longest: int) -> None:
+        """Make room for payloads of ``longest`` values in later agreements (call it on every
+        rank alike: from a table every rank gathered)."""
+        while self.capacity < longest:
+            self.capacity *= 2
+
+    def _agree(self, op: str, error: str, values: tuple, what: str, flags=(), payload=()) -> Agreement:
         pending, kind = self.take_pending(), self._pending_kind
         error, what = (pending, kind) if pending else (error, what)
         call = Call(op=op, index=self.index, step=self.step, values=values)
@@ -254,7 +285,17 @@ class StepChecks:
         self.rendezvous_count += 1
         self.agreed = True
         try:
-            return agree(self.group, call, error, plan=plan, control=self.control, what=what, flags=flags)
+            return agree_rows(
+                self.group,
+                call,
+                error,
+                plan=plan,
+                control=self.control,
+                what=what,
+                flags=flags,
+                payload=payload,
+                capacity=self.capacity,
+            )
         except Exception:
             # raised on every rank alike: drop what was learned (a kind whose calls changed is
             # learned again, the same way everywhere)
@@ -403,7 +444,7 @@ class StepChecks:
                 tensors, self.played = _joined(tuple(tensors), self.take_played())
             agreed = (*values, *mode_values()) if opens else values
             grad = torch.is_grad_enabled()
-            any_needs, any_no_grad, any_grad = self._agree(op, error, agreed, "input", (needs, not grad, grad))
+            any_needs, any_no_grad, any_grad = self._agree(op, error, agreed, "input", (needs, not grad, grad)).flags
             if any_no_grad and (any_needs or (opens and any_grad)):
                 self.fail()
                 others = "others' tensors need gradients" if any_needs else "others run with gradients on"
