@@ -154,3 +154,243 @@ def count_collectives(rank: int, world: int) -> dict:
         for name, fn in saved.items():
             setattr(dist, name, fn)
     return counts
+
+
+class _Counter:
+    """Counts the collectives (and point-to-point batches) torch.distributed makes, per phase."""
+
+    NAMES = ("all_gather", "all_reduce", "all_to_all_single", "broadcast", "barrier", "batch_isend_irecv")
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.dist, self.counts, self.phase, self.saved = dist, {}, "start", {}
+
+    def __enter__(self):
+        for name in self.NAMES:
+            self.saved[name] = getattr(self.dist, name)
+
+            def counted(*a, _name=name, **k):
+                key = f"{self.phase} {'p2p' if _name == 'batch_isend_irecv' else 'collective'}"
+                self.counts[key] = self.counts.get(key, 0) + 1
+                return self.saved[_name](*a, **k)
+
+            setattr(self.dist, name, counted)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, fn in self.saved.items():
+            setattr(self.dist, name, fn)
+
+
+def _batches(rank: int, world: int, steps: int) -> list[dict]:
+    """Per step, this rank's samples of ``Mixed`` (sizes differ between ranks and steps)."""
+    ds = Mixed()
+    collate = PackedCollate(("tokens", "target"), example=ds[0])
+    out = []
+    for k in range(steps):
+        idx = [(7 * k + 3 * rank + j) % len(ds) for j in range(1 + (k + rank) % 3)]
+        out.append(collate([ds[i] for i in idx]))
+    return out
+
+
+def plan_ahead_lengths(rank: int, world: int) -> dict:
+    """Steps planned with ``plan_ahead(next lengths)`` against gather-then-plan on a second
+    balancer and a copy of the model: the plans' digests, outputs and gradients; the
+    collectives of each steady step; the closed loop's records (``measure``)."""
+    multiprocessing.current_process().daemon = False  # the solver's worker process is this rank's child
+    torch.manual_seed(0)
+    model = build_model(CFG).double()
+    other = copy.deepcopy(model)
+    cost = WorkloadModel(d_model=CFG.dim, num_heads=CFG.num_heads)
+    bal = SequenceBalancer("auto", cost, link="free", measure=True)
+    ref = SequenceBalancer("auto", cost, link="free", measure=True)
+    records, ref_records = [], []
+    bal.on_step(records.append)
+    ref.on_step(ref_records.append)
+    K = 7
+    batches = _batches(rank, world, K)
+    same = exact = moved = 0
+    with _Counter() as c:
+        c.phase = "first plan"
+        bal.plan(batches[0]["seq_lens"])
+        for k in range(K):
+            c.phase = f"step {k}"
+            if k + 1 < K:
+                bal.plan_ahead(batches[k + 1]["seq_lens"])  # before route: it rides on route's row
+            out_a, grads_a = _step(model, batches[k], bal)
+            if k + 1 < K:
+                plan = bal.plan(batches[k + 1]["seq_lens"])
+            c.phase = f"reference {k}"
+            gathered = ref.plan(batches[k]["seq_lens"])
+            same += gathered.digest() == bal.current_plan.digest() if k + 1 == K else 0
+            out_b, grads_b = _step(other, batches[k], ref)
+            exact += torch.equal(out_a, out_b) and all(
+                (a is None and b is None) or torch.equal(a, b) for a, b in zip(grads_a, grads_b)
+            )
+            if k + 1 < K:
+                lens_all = [_batches(r, world, K)[k + 1]["seq_lens"] for r in range(world)]
+                same += plan.digest() == bal.planner()(lens_all).digest()
+                moved += plan.tokens_moved
+        c.phase = "flush"
+        bal.flush()
+        ref.flush()
+    return {
+        "counts": c.counts,
+        "steps": K,
+        "same": same,
+        "exact": exact,
+        "moved": moved,
+        "records": [(r.step, r.measured_s is not None and all(s == s for s in r.measured_s)) for r in records],
+        "ref_records": [r.step for r in ref_records],
+        "rendezvous": bal._checks.rendezvous_count,
+        "worker process": bal._solver._pool is not None and not bal._solver.inline,
+    }
+
+
+def plan_ahead_plans(rank: int, world: int) -> dict:
+    """Steps run with ``plan_ahead(next plan)`` then ``use_plan(plan)`` (plans made by the
+    planner, as a DataLoader worker would): collectives per step, exact against gather-then-plan
+    on a second balancer."""
+    multiprocessing.current_process().daemon = False  # the solver's worker process is this rank's child
+    torch.manual_seed(0)
+    model = build_model(CFG).double()
+    other = copy.deepcopy(model)
+    cost = WorkloadModel(d_model=CFG.dim, num_heads=CFG.num_heads)
+    bal = SequenceBalancer("auto", cost, link="free")
+    ref = SequenceBalancer("auto", cost, link="free")
+    K = 5
+    batches = [_batches(r, world, K) for r in range(world)]
+    planner = bal.planner()
+    plans = [planner([batches[r][k]["seq_lens"] for r in range(world)]) for k in range(K)]
+    exact = same = 0
+    with _Counter() as c:
+        c.phase = "first"
+        bal.use_plan(plans[0])
+        for k in range(K):
+            c.phase = f"step {k}"
+            if k + 1 < K:
+                bal.plan_ahead(plans[k + 1])
+            out_a, grads_a = _step(model, batches[rank][k], bal)
+            if k + 1 < K:
+                bal.use_plan(plans[k + 1])
+            c.phase = f"reference {k}"
+            same += ref.plan(batches[rank][k]["seq_lens"]).digest() == plans[k].digest()
+            out_b, grads_b = _step(other, batches[rank][k], ref)
+            exact += torch.equal(out_a, out_b) and all(
+                (a is None and b is None) or torch.equal(a, b) for a, b in zip(grads_a, grads_b)
+            )
+    return {"counts": c.counts, "steps": K, "exact": exact, "same": same}
+
+
+def plan_ahead_errors(rank: int, world: int) -> dict:
+    """Bad requests on one rank: every rank raises the same error type, then a normal step runs."""
+    from knapformer.errors import DivergentCallError, PlanMismatchError
+
+    cost = WorkloadModel(d_model=16, num_heads=2)
+    bal = SequenceBalancer("auto", cost, link="free")
+    lens = [40, 7, 90] if rank == 0 else [5 + rank, 13]
+    x = torch.arange(sum(lens), dtype=torch.float64)[:, None]
+
+    def step(before=None, plan_lens=None):
+        bal.plan(lens if plan_lens is None else plan_lens)
+        if before is not None:
+            before()
+        y = bal.route(x, seq_lens=lens)
+        return torch.equal(bal.reverse_route(y), x)
+
+    def outcome(fn):
+        try:
+            fn()
+        except (BalancerInputError, DivergentCallError, PlanMismatchError) as exc:
+            return type(exc).__name__, str(exc)
+        return "ok", ""
+
+    out = {}
+    step()
+    # a bad length on rank 1: raised at the next plan, on every rank
+    step(lambda: bal.plan_ahead([-1] if rank == 1 else lens))
+    out["bad length"] = outcome(lambda: bal.plan(lens))
+    out["bad length then"] = step()
+    # a request rank 0 made alone
+    step(lambda: bal.plan_ahead(lens) if rank == 0 else None)
+    out["one rank"] = outcome(lambda: bal.plan(lens))
+    out["one rank then"] = step()
+    # plan() with other lengths than the request on rank 1: raised at the step's route (before data moves)
+    step(lambda: bal.plan_ahead(lens))
+    wrong = lens + [3] if rank == 1 else lens
+    out["other lengths"] = outcome(lambda: (bal.plan(wrong), bal.route(torch.zeros(sum(wrong), 1), seq_lens=wrong)))
+    out["other lengths then"] = step()
+    # plans that differ between ranks (rank 1 hands another lengths' plan)
+    planner = bal.planner()
+    good = planner([[40, 7, 90]] + [[5 + r, 13] for r in range(1, world)])
+    other = planner([[40, 7, 91]] + [[5 + r, 13] for r in range(1, world)])
+    step(lambda: bal.plan_ahead(other if rank == 1 else good))
+    out["plans differ"] = outcome(lambda: bal.use_plan(good))
+    out["plans differ then"] = step()
+    # a request no agreement carried (no route before the next plan) is dropped on every rank
+    bal.plan(lens)
+    bal.plan_ahead([1, 2, 3])
+    out["not carried"] = step()
+
+    # a request made, and the step then fails at route on one rank: the settled plan is dropped too
+    def bad_route():
+        bal.plan_ahead(lens)
+        bal.route(x[:-1] if rank == 0 else x, seq_lens=None)
+
+    bal.plan(lens)
+    out["route fails"] = outcome(bad_route)
+    out["route fails then"] = step()
+    return out
+
+
+def flux_counts(rank: int, world: int) -> dict:
+    """The issue's case: stock Flux through the documented API, layout ``g1n{world}`` (every
+    sample stays on its rank: nothing to move). Whole-group collectives of each steady step —
+    plan + packed forward + backward — planned inline, with ``plan_ahead(lengths)`` and with
+    ``plan_ahead(plan)`` + ``use_plan``; and the outputs of the three equal."""
+    from knapformer.integrations.diffusers import flux_seq_lens, flux_workload, packed_flux_forward
+    from tests.flux_workers import make_sample, tiny_flux
+
+    multiprocessing.current_process().daemon = False
+    model = tiny_flux()
+    bal = SequenceBalancer(f"g1n{world}", flux_workload(model))
+    K = 4
+    steps = [
+        [make_sample(2 + (k + rank) % 3, 3, 2 + rank, 100 * k + 10 * rank + j) for j in range(1 + rank % 2)]
+        for k in range(K)
+    ]
+    lens = [flux_seq_lens(model, s) for s in steps]
+    every = [[None] * world for _ in range(K)]
+    for k in range(K):  # every rank's lengths (the samples are a function of rank and step)
+        for r in range(world):
+            every[k][r] = flux_seq_lens(
+                model, [make_sample(2 + (k + r) % 3, 3, 2 + r, 100 * k + 10 * r + j) for j in range(1 + r % 2)]
+            )
+    planner = bal.planner()
+    outs = {}
+    with _Counter() as c:
+        for mode in ("inline", "ahead lengths", "ahead plan"):
+            c.phase = f"{mode} first"
+            bal.plan(lens[0]) if mode != "ahead plan" else bal.use_plan(planner(every[0]))
+            plans = [planner(every[k]) for k in range(K)]
+            res = []
+            for k in range(K):
+                c.phase = f"{mode} step {k}"
+                if k and mode == "inline":
+                    bal.plan(lens[k])
+                if k + 1 < K and mode == "ahead lengths":
+                    bal.plan_ahead(lens[k + 1])
+                if k + 1 < K and mode == "ahead plan":
+                    bal.plan_ahead(plans[k + 1])
+                out = packed_flux_forward(model, steps[k], bal)
+                out.flat.square().sum().backward()
+                res.append(out.flat.detach())
+                model.zero_grad(set_to_none=True)
+                if k + 1 < K and mode == "ahead lengths":
+                    bal.plan(lens[k + 1])
+                if k + 1 < K and mode == "ahead plan":
+                    bal.use_plan(plans[k + 1])
+            outs[mode] = res
+    same = all(torch.equal(a, b) for m in ("ahead lengths", "ahead plan") for a, b in zip(outs["inline"], outs[m]))
+    return {"counts": c.counts, "same": same}

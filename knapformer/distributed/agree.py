@@ -166,13 +166,17 @@ class Agreement:
     counts: list[int]
     table: np.ndarray
     """(group size, capacity) payload slots."""
+    gathered: list[list[int]] | None = None
+    """Every rank's whole payload, where some overflowed and a second gather fetched them."""
 
     @property
     def overflow(self) -> bool:
         return bool(self.counts) and max(self.counts) > self.table.shape[1]
 
     def payloads(self) -> list[list[int]]:
-        """Every rank's payload (needs no :attr:`overflow`)."""
+        """Every rank's payload (after an :attr:`overflow`, from :attr:`gathered`)."""
+        if self.gathered is not None:
+            return self.gathered
         assert not self.overflow, "a payload beyond the capacity is gathered separately"
         return [self.table[r, :c].tolist() for r, c in enumerate(self.counts)]
 

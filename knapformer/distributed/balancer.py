@@ -44,6 +44,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import knapformer.distributed.ahead as ahead
 import knapformer.distributed.compiled as compiled
 import knapformer.distributed.cross as cross
 import knapformer.distributed.kv_gather as kv_gather
@@ -54,6 +55,7 @@ import knapformer.distributed.ulysses as ulysses
 from knapformer.attention.varlen import varlen_attention
 from knapformer.config import BalancerConfig
 from knapformer.distributed.agree import digest62, gather_ints, gather_text, group_device
+from knapformer.distributed.ahead import AheadSolver
 from knapformer.distributed.backends import data_device, device_problem, uses_nccl
 from knapformer.distributed.checks import SKIP, LayerCall, OnceCall, StepChecks, as_lengths, attention_problem
 from knapformer.distributed.closed_loop import ClosedLoop
@@ -143,6 +145,10 @@ class SequenceBalancer:
         self.group_rank = dist.get_rank(self.group)
         self._checks = StepChecks(self.group, groups.control, self.group_rank, debug=config.debug)
         self._checks.player = self._play  # joins the exchanges of a scheduled call this rank did not make
+        self._checks.seconds_bits = self._take_boundary_bits  # ride on the row that carries plan_ahead's request
+        self._boundary_bits: int | None = None  # the seconds of the step before a plan made ahead
+        self._checks.on_ahead = self._settle_ahead
+        self._solver = AheadSolver()
         self._loop = ClosedLoop(config)
         self._plan: Plan | None = None
         self._spec: RouteSpec | None = None
@@ -223,12 +229,18 @@ class SequenceBalancer:
             return self._plan_step(local_seq_lens)
 
     def _plan_step(self, local_seq_lens: Sequence[int]) -> Plan:
-        control = self._checks.control  # host tensors (the group's gloo, or its gloo twin): no device sync
         error, lens = "", []
         try:
             lens = list(validate_lengths(as_lengths(local_seq_lens), "local_seq_lens"))
         except ValueError as exc:
             error = str(exc)
+        settled = self._take_ahead()
+        if settled is not None:
+            return self._plan_from_ahead(settled, lens, error)
+        if self._boundary_bits is not None:  # a step's seconds no agreement carried: its record goes unmeasured
+            self._boundary_bits = None
+            if self._loop.ready:
+                self._loop.finish_step(None)
         # one whole-group collective: the agreement (a fixed-size row, the same collective as
         # every agreement, so ranks at different calls still meet) carries each rank's previous
         # measured seconds and its lengths; a rank with more lengths than the rows hold makes
@@ -239,13 +251,7 @@ class SequenceBalancer:
         except BalancerInputError:
             self._drop_plan()
             raise
-        if got.overflow:
-            flat = gather_ints(control, payload, got.counts, "plan")
-            ends = np.cumsum(got.counts)
-            rows = [flat[e - c : e].tolist() for e, c in zip(ends, got.counts)]
-            self._checks.grow(max(got.counts))
-        else:
-            rows = got.payloads()
+        rows = got.payloads()  # (a rank with more lengths than the rows hold: gathered again, the rows grown)
         if self._loop.ready:  # the previous step's telemetry (with CUDA events: the one before)
             self._loop.finish_step(self._loop.measured(np.asarray([r[0] for r in rows], dtype=np.int64)))
         all_lens = ValidLens(tuple(r[1:]) for r in rows)
@@ -254,6 +260,11 @@ class SequenceBalancer:
         except ValueError as exc:  # e.g. an infeasible memory cap: the same on every rank
             self._drop_plan()
             raise BalancerInputError(f"SequenceBalancer.plan: {exc}") from exc
+        return self._start(plan)
+
+    def _start(self, plan: Plan) -> Plan:
+        """Adopt a plan this rank made (its digest rides on the step's first agreement) and
+        open the step's telemetry."""
         self._adopt(plan, prepared_spec(plan, self.group_rank), agreed=False)
         if self.debug:
             self._checks.agree("plan digest")
@@ -281,6 +292,9 @@ class SequenceBalancer:
             return self._use_plan_step(plan)
 
     def _use_plan_step(self, plan: Plan) -> Plan:
+        settled = self._take_ahead()
+        if settled is not None:
+            return self._use_plan_from_ahead(settled, plan)
         error, spec = "", None
         try:
             if not isinstance(plan, Plan):
@@ -299,6 +313,104 @@ class SequenceBalancer:
             raise
         self._plan, self._spec = plan, spec
         return plan
+
+    # -- plans settled ahead ---------------------------------------------------------------------
+    @eager_only
+    def plan_ahead(self, next_step: Sequence[int] | Plan) -> None:
+        """Settle the next step's plan during this one (:mod:`.ahead`). ``next_step``: this
+        rank's lengths of the next step (as :meth:`plan` takes them), or the next step's
+        :class:`Plan` made elsewhere (as :meth:`use_plan` takes it). No collective of its own:
+        the request rides on this step's next agreement (its ``route``), which then gives every
+        rank every rank's next lengths; the next plan is solved in a worker process meanwhile.
+        The next :meth:`plan` (with the same lengths) or :meth:`use_plan` (with the same plan)
+        then makes no collective. Call it on every rank alike, before ``route``; a bad request,
+        or one some ranks did not make, raises on every rank at the next ``plan``/``use_plan``."""
+        error, lens, plan, values = "", None, None, []
+        if isinstance(next_step, Plan):
+            plan = next_step
+            try:
+                if plan.num_ranks != self.layout.group_size:
+                    raise ValueError(f"plan has {plan.num_ranks} ranks, the balancing group {self.layout.group_size}")
+                plan.validate()
+                prepared_spec(plan, self.group_rank)
+                values = [digest62(plan.digest())]
+            except (TypeError, ValueError) as exc:
+                error = f"{type(exc).__name__}: {exc}"
+            kind = ahead.PLAN
+        else:
+            try:
+                lens = list(validate_lengths(as_lengths(next_step), "next_step"))
+                values = lens
+            except (TypeError, ValueError) as exc:
+                error = str(exc)
+            kind = ahead.LENGTHS
+        self._checks.ahead = ahead.AheadRequest(kind, values, error, lens=lens, plan=plan)
+
+    def _settle_ahead(self, rows: list[list[int]], carried: ahead.AheadRequest | None) -> None:
+        """An agreement carried requests (every rank runs this on the same rows): settle the
+        next step, start its solve, and complete the previous step's telemetry."""
+        settled, seconds = ahead.settle(
+            rows, carried, lambda: gather_text(self._checks.control, carried.error if carried else "")
+        )
+        if settled.problem is None and settled.kind == ahead.LENGTHS:
+            planner = self.planner()
+            settled.future = self._solver.submit(planner, settled.lens, self.group_rank)
+            settled.request.planner = planner  # what an inline re-solve uses
+        self._checks.agreed_ahead = settled
+        if seconds is not None and self._loop.ready_ahead:
+            self._loop.finish_step(self._loop.measured(np.asarray(seconds, dtype=np.int64)))
+
+    def _take_boundary_bits(self) -> int:
+        """The previous step's seconds, closed at a plan made ahead (NaN bits if none)."""
+        bits, self._boundary_bits = self._boundary_bits, None
+        return bits if bits is not None else int(np.float64("nan").view(np.int64))
+
+    def _take_ahead(self) -> ahead.Ahead | None:
+        settled, self._checks.agreed_ahead = self._checks.agreed_ahead, None
+        if settled is not None and settled.problem is not None:
+            self._drop_plan()
+            self._checks.ahead = None
+            error_type, message = settled.problem
+            raise error_type(f"{message} (this is rank {self.group_rank})")
+        return settled
+
+    def _plan_from_ahead(self, settled: ahead.Ahead, lens: list[int], error: str) -> Plan:
+        """``plan`` after ``plan_ahead``: no collective; a rank whose lengths differ from its
+        request defers the error, which every rank raises at the step's ``route``."""
+        mine = settled.request
+        if settled.kind != ahead.LENGTHS:
+            self._checks.defer(
+                f"rank {self.group_rank} called plan() where plan_ahead(plan) asked for use_plan(plan)", "divergent"
+            )
+        elif error or lens != mine.lens:
+            got = error or f"{lens[:8]}{'...' if len(lens) > 8 else ''}"
+            self._checks.defer(f"plan(local_seq_lens) got {got}, plan_ahead had {mine.lens[:8]}", "local_seq_lens")
+        if settled.kind == ahead.PLAN:
+            plan = mine.plan
+        else:
+            try:
+                plan = self._solver.result(settled.future, mine.planner, settled.lens, self.group_rank)
+            except ValueError as exc:  # e.g. an infeasible memory cap: the same on every rank
+                self._drop_plan()
+                raise BalancerInputError(f"SequenceBalancer.plan: {exc}") from exc
+        # the previous step ends here (its seconds ride on the row of this step's route)
+        self._boundary_bits = self._loop.seconds_bits()
+        return self._start(plan)
+
+    def _use_plan_from_ahead(self, settled: ahead.Ahead, plan: Plan) -> Plan:
+        """``use_plan`` after ``plan_ahead(plan)``: no collective (the digest was agreed in the
+        previous step's row). Another plan than the request's, or a request of lengths, is
+        deferred and raised on every rank at the step's ``route`` (the step runs the agreed one)."""
+        mine = settled.request
+        if settled.kind != ahead.PLAN:
+            self._checks.defer(
+                f"rank {self.group_rank} called use_plan() where plan_ahead(lengths) asked for plan()", "divergent"
+            )
+            return self._plan_from_ahead(settled, list(mine.lens), "")
+        if plan is not mine.plan and (not isinstance(plan, Plan) or plan.digest() != mine.plan.digest()):
+            self._checks.defer(f"use_plan got another plan than plan_ahead on rank {self.group_rank}", "input")
+        self._adopt(mine.plan, prepared_spec(mine.plan, self.group_rank), agreed=True)
+        return mine.plan
 
     def _adopt(self, plan: Plan, spec: RouteSpec, *, agreed: bool) -> None:
         self._plan, self._spec = plan, spec
@@ -339,6 +451,10 @@ class SequenceBalancer:
         if not self._loop.waiting:
             return self.last_step
         bits = self._loop.drain_bits()
+        k = len(bits) - 2 - (self._loop.timer.lag if self._loop.timer is not None else 0)
+        if self._boundary_bits is not None and k >= 0:  # the step before a plan made ahead: closed there
+            bits[k] = self._boundary_bits
+        self._boundary_bits = None
         S = dist.get_world_size(self.group)
         table = gather_ints(self._checks.control, bits, [len(bits)] * S, "flush").reshape(S, len(bits))
         for j in range(table.shape[1]):  # oldest first

@@ -33,9 +33,11 @@ deferred the same way. Legend: R routed tokens.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from knapformer.distributed.agree import (
@@ -45,8 +47,10 @@ from knapformer.distributed.agree import (
     agree_rows,
     describe_parts,
     digest_of,
+    gather_ints,
     signature,
 )
+from knapformer.distributed.ahead import AheadRequest
 from knapformer.distributed.exchange import handshake
 from knapformer.errors import BalancerInputError
 
@@ -191,6 +195,16 @@ class StepChecks:
         self._failed = False
         self.rendezvous_count = 0
         """Agreements joined so far (what tests count)."""
+        self.ahead: AheadRequest | None = None
+        """This rank's ``plan_ahead`` request, until an agreement carries it."""
+        self.on_ahead: Callable[[list[list[int]], AheadRequest | None], None] | None = None
+        """Called (by the balancer) after an agreement in which some rank carried a request."""
+        self.agreed_ahead = None
+        """What the carrying agreement settled for the next step (the balancer's; dropped on
+        every rank alike when an agreement raises)."""
+        self.seconds_bits: Callable[[], int] | None = None
+        """This rank's last measured seconds as int64 bits (the balancer's closed loop): they ride
+        on the row that carries a request."""
         self.capacity = DEFAULT_CAPACITY
         """Payload slots of this group's agreement rows: the same on every rank (it grows only
         where every rank saw the same table: :meth:`grow`)."""
@@ -284,8 +298,14 @@ class StepChecks:
         self._plan_agreed = True  # checked now, whatever the outcome (a mismatch raises here, once)
         self.rendezvous_count += 1
         self.agreed = True
+        carried, boundary = None, op in ("plan", "use_plan")
+        if boundary:  # a request no agreement carried before the next plan is dropped (on every rank alike)
+            self.ahead = None
+        elif self.ahead is not None and self.seconds_bits is not None:
+            carried, self.ahead = self.ahead, None
+            payload = carried.payload(self.seconds_bits())
         try:
-            return agree_rows(
+            got = agree_rows(
                 self.group,
                 call,
                 error,
@@ -296,12 +316,21 @@ class StepChecks:
                 payload=payload,
                 capacity=self.capacity,
             )
+            if got.overflow:  # every rank sees it: all gather the long payloads, and the rows grow
+                flat = gather_ints(self.control, list(payload), got.counts, op)
+                ends = np.cumsum(got.counts)
+                got = dataclasses.replace(got, gathered=[flat[e - c : e].tolist() for e, c in zip(ends, got.counts)])
+                self.grow(max(got.counts))
+            if not boundary and any(got.counts) and self.on_ahead is not None:
+                self.on_ahead(got.payloads(), carried)
+            return got
         except Exception:
             # raised on every rank alike: drop what was learned (a kind whose calls changed is
-            # learned again, the same way everywhere)
+            # learned again, the same way everywhere) and what was settled ahead
             self._failed = True
             self.schedules.clear()
             self._schedule = None
+            self.agreed_ahead = None
             raise
 
     def _entry(self):

@@ -69,6 +69,12 @@ class ClosedLoop:
         """The next gathered seconds complete a record (CUDA timing lags a step behind)."""
         return len(self._waiting) > (self.timer.lag if self.timer is not None else 0)
 
+    @property
+    def ready_ahead(self) -> bool:
+        """Seconds gathered in a step's ``route`` (``plan_ahead``'s row) complete a record: they
+        are the previous step's, whose record waits behind the current one's."""
+        return len(self._waiting) > (self.timer.lag if self.timer is not None else 0) + 1
+
     # -- per step ---------------------------------------------------------------------------
     def seconds_bits(self) -> int:
         """The last step's measured seconds (NaN without timing) as int64 bits, to ride on an

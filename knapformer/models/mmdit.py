@@ -167,13 +167,15 @@ class MMDiT(nn.Module):
             seq_id, pos = ex.routed_positions(h)
             meta = token_meta(seq_id, pos, txt_all)
         else:  # the stream tables from host numbers (text lengths on the host), uploaded once: no sync
-            (c_SD,) = ex.gather_sequences(c_local)
             # (no sync when given on the host, as PackedCollate gives it)
             txt_host = (txt_lens if txt_lens.device.type == "cpu" else txt_lens.cpu()).to(torch.int64)
-            (txt_all,) = ex.gather_sequences(txt_host, names=("text lengths",))
             seq_l, pos_l = local_positions(seq_lens)
             meta_l = _host_meta(seq_l, pos_l, txt_host, x_TI.device)
+            # route first: its agreement is the step's one whole-group rendezvous (the gathers
+            # after it are checked with their peers only)
             h = ex.route(_linear_by_stream(x_TI, meta_l, self.txt_in, self.img_in), seq_lens=seq_lens)
+            (c_SD,) = ex.gather_sequences(c_local)
+            (txt_all,) = ex.gather_sequences(txt_host, names=("text lengths",))
             seq_id, pos = ex.routed_positions(None)
             meta = _host_meta(seq_id, pos, txt_all, h.device)
         # modulation runs on the samples present here only (its cost follows them, not the
