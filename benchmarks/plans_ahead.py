@@ -18,7 +18,10 @@ seed 1; Flux.1-dev tokenisation, 65,536 tokens per GPU), planned for Flux.1-dev 
   made while this one works (the solver holds the interpreter lock the loop needs);
 - ``worker``: ``PlannedSteps`` in one DataLoader worker process; the main thread waits for
   the next step's plan (if the worker is behind) and runs ``use_plan``'s local part (validate,
-  route spec, digest; its one small agreement needs the other ranks).
+  route spec, digest; its one small agreement needs the other ranks);
+- ``plan_ahead``: the next step's lengths handed to the balancer's worker process at the start
+  of the step (``bal.plan_ahead``: they ride on ``route``'s agreement, which needs the other
+  ranks); the main thread takes the plan at the next ``plan`` (waiting if the worker is behind).
 
 Columns: the solver's ms per step (median); critical-path planning ms per step (median, and the
 worst) of each way; the worker's start (a fresh worker each round: its start and first plan are
@@ -54,6 +57,7 @@ from knapformer.data import (  # noqa: E402
     synthetic_manifest,
     tokenizer_for_model,  # noqa: E402
 )
+from knapformer.distributed.ahead import AheadSolver  # noqa: E402
 from knapformer.distributed.spec import build_route_spec, prepared_spec  # noqa: E402
 from knapformer.integrations.registry import model_config  # noqa: E402
 from knapformer.plan import Planner  # noqa: E402
@@ -127,7 +131,26 @@ def _critical(sampler, planner, steps: int, step_s: float, x: torch.Tensor) -> d
         _local_use(next(it).plan)
         worker.append(time.perf_counter() - t0)
     del it
+    # plan_ahead: the next step's lengths handed over at this step's route; the plan solved in
+    # the balancer's worker process while the step works, taken at the next plan (the first
+    # request pays the worker's start: not counted, as above)
+    solver, ahead = AheadSolver(), []
+    lens = [
+        [[int(sampler.lengths[i]) for i in b] for b in step] for step in itertools.islice(sampler.iter_steps(), steps)
+    ]
+    solver.result(solver.submit(planner, lens[0], 0), planner, lens[0], 0)
+    for k in range(1, steps):
+        future = solver.submit(planner, lens[k], 0)
+        _work(step_s, x)
+        t0 = time.perf_counter()
+        plan = solver.result(future, planner, lens[k], 0)
+        prepared_spec(plan, 0)  # (built in the worker: a lookup here)
+        plan.digest()
+        ahead.append(time.perf_counter() - t0)
+    solver.close()
     return {
+        "ahead_ms": 1e3 * statistics.median(ahead),
+        "ahead_ms_max": 1e3 * max(ahead),
         "solve_ms": 1e3 * statistics.median(solve),
         "inline_ms": 1e3 * statistics.median(inline),
         "inline_ms_max": 1e3 * max(inline),
@@ -266,6 +289,8 @@ def main() -> None:
             ("worker_ms", ".1f"),
             ("worker_ms_max", ".1f"),
             ("worker_start_ms", ".0f"),
+            ("ahead_ms", ".1f"),
+            ("ahead_ms_max", ".1f"),
             ("worker_rate", ".3f"),
             ("worker_busy", ".2f"),
             ("thread_rate", ".3f"),

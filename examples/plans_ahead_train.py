@@ -8,8 +8,10 @@ gathers every rank's lengths and solves, every step, while the GPU waits (0.1–
 so every process already knows every rank's lengths of every step. ``PlannedSteps`` iterates
 the sampler's steps in the DataLoader's workers, solves each step there with the balancer's
 planner (``bal.planner()``, a picklable snapshot of its settings) and hands the batch with its
-plan; the loop runs it with ``bal.use_plan(plan)`` — one small digest agreement, no gather, no
-solve. The plans are the ones ``bal.plan`` would make (a test checks digests, outputs and
+plan; the loop runs it with ``bal.use_plan(plan)`` — no gather, no solve — and hands the next
+step's plan to ``bal.plan_ahead``, whose digest is then agreed in this step's ``route``: a
+steady step meets the whole group once (``route``'s agreement; ``with_next`` reads one step
+ahead). The plans are the ones ``bal.plan`` would make (a test checks digests, outputs and
 gradients against it).
 """
 
@@ -25,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sampler_train import CFG, MixedResolution  # noqa: E402  (the same synthetic dataset)
 
 from knapformer import SequenceBalancer, WorkloadModel  # noqa: E402
-from knapformer.data import PackedCollate, PlannedSteps, TokenBudgetBatchSampler  # noqa: E402
+from knapformer.data import PackedCollate, PlannedSteps, TokenBudgetBatchSampler, with_next  # noqa: E402
 from knapformer.models import build_model  # noqa: E402
 from knapformer.training import global_mean_loss, sum_gradients  # noqa: E402
 
@@ -52,9 +54,11 @@ def main() -> None:
     loader = DataLoader(steps, batch_size=None, num_workers=args.workers)
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # before iter(loader): the workers get the sampler then
-        for step in loader:
+        for step, after in with_next(loader):
             batch = step.batch
-            bal.use_plan(step.plan)  # made in a worker, ahead of this step
+            bal.use_plan(step.plan)  # made in a worker; its digest agreed in the last step's route
+            if after is not None:
+                bal.plan_ahead(after.plan)  # rides on this step's route: the step's one collective
             out = model(batch["tokens"], batch["seq_lens"], batch["txt_len"], batch["t"], batch["vec"], executor=bal)
             err = ((out - batch["target"]) ** 2).sum()
             loss = global_mean_loss(err, out.numel(), gradients="sum")

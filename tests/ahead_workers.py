@@ -198,7 +198,6 @@ def plan_ahead_lengths(rank: int, world: int) -> dict:
     """Steps planned with ``plan_ahead(next lengths)`` against gather-then-plan on a second
     balancer and a copy of the model: the plans' digests, outputs and gradients; the
     collectives of each steady step; the closed loop's records (``measure``)."""
-    multiprocessing.current_process().daemon = False  # the solver's worker process is this rank's child
     torch.manual_seed(0)
     model = build_model(CFG).double()
     other = copy.deepcopy(model)
@@ -244,7 +243,7 @@ def plan_ahead_lengths(rank: int, world: int) -> dict:
         "records": [(r.step, r.measured_s is not None and all(s == s for s in r.measured_s)) for r in records],
         "ref_records": [r.step for r in ref_records],
         "rendezvous": bal._checks.rendezvous_count,
-        "worker process": bal._solver._pool is not None and not bal._solver.inline,
+        "worker process": bal._solver._proc is not None and not bal._solver.inline,
     }
 
 
@@ -252,7 +251,6 @@ def plan_ahead_plans(rank: int, world: int) -> dict:
     """Steps run with ``plan_ahead(next plan)`` then ``use_plan(plan)`` (plans made by the
     planner, as a DataLoader worker would): collectives per step, exact against gather-then-plan
     on a second balancer."""
-    multiprocessing.current_process().daemon = False  # the solver's worker process is this rank's child
     torch.manual_seed(0)
     model = build_model(CFG).double()
     other = copy.deepcopy(model)
@@ -341,6 +339,19 @@ def plan_ahead_errors(rank: int, world: int) -> dict:
     bal.plan(lens)
     out["route fails"] = outcome(bad_route)
     out["route fails then"] = step()
+    # the worker process killed: a request it had not answered is solved inline, and the next
+    # request starts a new worker; the plans are gather-then-plan's
+    planner = bal.planner()
+    every = [[40, 7, 90]] + [[5 + r, 13] for r in range(1, world)]
+    plans = []
+    for _ in range(3):
+        step(lambda: bal.plan_ahead(lens))
+        if bal._solver._proc is not None:
+            bal._solver._proc.kill()
+        plans.append(bal.plan(lens).digest() == planner(every).digest())
+        y = bal.route(x, seq_lens=lens)
+        plans.append(torch.equal(bal.reverse_route(y), x))
+    out["worker killed"] = plans
     return out
 
 
@@ -352,7 +363,6 @@ def flux_counts(rank: int, world: int) -> dict:
     from knapformer.integrations.diffusers import flux_seq_lens, flux_workload, packed_flux_forward
     from tests.flux_workers import make_sample, tiny_flux
 
-    multiprocessing.current_process().daemon = False
     model = tiny_flux()
     bal = SequenceBalancer(f"g1n{world}", flux_workload(model))
     K = 4

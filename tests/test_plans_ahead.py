@@ -91,7 +91,8 @@ def test_plan_ahead_requests_that_differ_raise_on_every_rank():
     """2 gloo ranks: a bad next length on rank 1, a request rank 0 made alone, ``plan`` with
     other lengths than the request, plans that differ, a request no agreement carried, a step
     that fails at ``route`` after its request — every rank raises the same error type (or
-    none), and a normal step runs after each."""
+    none), and a normal step runs after each. A killed worker process costs nothing but time:
+    the plans stay gather-then-plan's."""
     res = run_distributed(W.plan_ahead_errors, 2, timeout=300)
     expected = {
         "bad length": ("BalancerInputError", "bad request on rank(s) [1]: rank 1: next_step[0] = -1"),
@@ -105,6 +106,7 @@ def test_plan_ahead_requests_that_differ_raise_on_every_rank():
             assert r[case][0] == kind and text in r[case][1], (case, r[case])
             assert r[f"{case} then"] is True, case
         assert r["not carried"] is True, r
+        assert r["worker killed"] == [True] * 6, r
 
 
 def test_stock_flux_steady_step_makes_one_collective_with_plans_ahead():

@@ -27,7 +27,7 @@ from knapformer.data.synthetic import MANIFEST_MIXES, synthetic_manifest
 from knapformer.data.tokenizers import TOKENIZERS, Tokenizer, tokenizer, tokenizer_for_model
 
 if TYPE_CHECKING:  # for type checkers and the API reference; needs torch, imported on use
-    from knapformer.data.ahead import PlannedStep, PlannedSteps
+    from knapformer.data.ahead import PlannedStep, PlannedSteps, with_next
     from knapformer.data.collate import PackedCollate
 
 __all__ = [
@@ -57,6 +57,7 @@ __all__ = [
     "tokenizer_for_model",
     "write_manifest",
     "write_sharded_manifest",
+    "with_next",
     "write_shards",
 ]
 
@@ -66,7 +67,7 @@ def __getattr__(name: str):
         from knapformer.data.collate import PackedCollate
 
         return PackedCollate
-    if name in ("PlannedStep", "PlannedSteps"):  # (torch's DataLoader types)
+    if name in ("PlannedStep", "PlannedSteps", "with_next"):  # (torch's DataLoader types)
         from knapformer.data import ahead
 
         return getattr(ahead, name)

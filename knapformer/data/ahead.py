@@ -20,11 +20,21 @@ Workers share the steps round-robin (worker k takes steps k, k + W, ...), which 
 DataLoader reads back in order. Each ``iter(loader)`` copies the sampler to the workers, so
 ``set_epoch`` and ``load_state_dict`` before it take effect; with ``persistent_workers=True``
 they would not (leave it off). Resuming: ``sampler.state_dict(steps_done=step.step + 1)``.
+
+With :func:`with_next` the next step's plan is agreed in this step's ``route`` instead
+(``bal.plan_ahead(next.plan)``), and ``use_plan`` then makes no collective at all: a steady
+step meets its whole group once, in ``route``::
+
+    for step, after in with_next(loader):
+        bal.use_plan(step.plan)              # no collective (after the first step)
+        if after is not None:
+            bal.plan_ahead(after.plan)       # rides on this step's route
+        out = model(step.batch["tokens"], ..., executor=bal)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +44,7 @@ from knapformer.data.sampler import TokenBudgetBatchSampler
 from knapformer.distributed.spec import prepared_spec
 from knapformer.plan import Plan, Planner
 
-__all__ = ["PlannedStep", "PlannedSteps"]
+__all__ = ["PlannedStep", "PlannedSteps", "with_next"]
 
 
 @dataclass
@@ -107,3 +117,18 @@ class PlannedSteps(tud.IterableDataset):
 
     def __len__(self) -> int:
         return len(self.sampler)
+
+
+def with_next(items: Iterable) -> Iterator[tuple[Any, Any]]:
+    """``(item, the next item or None)`` for each item: what a loop needs to hand the next
+    step's plan to ``bal.plan_ahead`` during this one (it fetches one item ahead, as a
+    DataLoader's prefetch does anyway)."""
+    it = iter(items)
+    try:
+        item = next(it)
+    except StopIteration:
+        return
+    for after in it:
+        yield item, after
+        item = after
+    yield item, None

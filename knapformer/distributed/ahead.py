@@ -19,14 +19,18 @@ made no request, plans that differ — is seen by every rank in the same table
 from __future__ import annotations
 
 import atexit
+import collections
 import concurrent.futures as cf
 import logging
-import multiprocessing
 import os
+import pickle
+import struct
+import subprocess
+import sys
 import threading
-import time
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 
 from knapformer.errors import BalancerInputError, DivergentCallError, PlanMismatchError
 from knapformer.plan import Plan, Planner
@@ -119,68 +123,141 @@ def _solve(planner: Planner, lens: list[list[int]], rank: int) -> Plan:
     return plan
 
 
-def _watch_parent(parent: int) -> None:
-    """In the worker: leave when the training process is gone (it may end without shutting
-    the pool down, e.g. ``os._exit`` or a kill; the worker would then wait forever)."""
+class WorkerGone(RuntimeError):
+    """The solver's worker process ended (killed, out of memory): the plan is solved inline."""
 
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(0)
 
-    threading.Thread(target=watch, name="knapformer-ahead-watch", daemon=True).start()
+def _frame(stream, obj) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(struct.pack("<Q", len(data)))
+    stream.write(data)
+    stream.flush()
+
+
+def _read_frame(stream):
+    head = stream.read(8)
+    if len(head) < 8:
+        return None
+    (n,) = struct.unpack("<Q", head)
+    data = stream.read(n)
+    return None if len(data) < n else pickle.loads(data)
 
 
 class AheadSolver:
-    """One worker process per balancer, started at the first request (a few seconds: it
-    imports torch), solving one plan at a time. ``inline=True`` solves on the caller's thread
-    (what the next ``plan`` would do anyway; for tests and one-core machines). A broken worker
-    (killed, out of memory) is not an error: the plan is solved inline, the same plan."""
+    """One worker process per balancer, started at the first request (a second or two: it
+    imports torch), solving one plan at a time. It is a fresh interpreter (``python -m
+    knapformer.distributed.ahead``), not a multiprocessing child: it does not import the
+    training script again (a script without a ``__main__`` guard would otherwise run twice),
+    and it leaves when the training process goes (its input closes). ``inline=True`` solves
+    on the caller's thread (what ``plan`` does anyway). A worker that cannot start or dies is
+    not an error: the plan is solved inline — the same plan."""
 
     def __init__(self, inline: bool = False) -> None:
         self.inline = inline
-        self._pool: cf.ProcessPoolExecutor | None = None
+        self._proc: subprocess.Popen | None = None
+        self._pending: collections.deque[cf.Future] = collections.deque()
+        self._lock = threading.Lock()
+
+    def _start(self) -> None:
+        root = str(Path(__file__).resolve().parents[2])  # where this knapformer is imported from
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+        env.setdefault("OMP_NUM_THREADS", "1")
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "knapformer.distributed.ahead"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+        )
+        threading.Thread(target=self._read, args=(self._proc,), name="knapformer-ahead", daemon=True).start()
+        _procs.add(self._proc)
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        """Hand each answer to the oldest request (a thread: it waits on the pipe without the
+        interpreter lock)."""
+        while True:
+            answer = _read_frame(proc.stdout)
+            with self._lock:
+                if answer is None:  # the worker is gone: every request still waiting is solved inline
+                    while self._pending:
+                        self._pending.popleft().set_exception(WorkerGone("the plan_ahead worker ended"))
+                    return
+                future = self._pending.popleft()
+            ok, value = answer
+            future.set_result(value) if ok else future.set_exception(value)
 
     def submit(self, planner: Planner, lens: list[list[int]], rank: int) -> cf.Future:
+        future: cf.Future = cf.Future()
+        if not self.inline and (self._proc is None or self._proc.poll() is not None):
+            try:
+                self._start()
+            except OSError as exc:  # no worker here: solve on this thread from now on
+                _log.warning("plan_ahead solves on the training thread: no worker process (%s)", exc)
+                self.inline = True
         if not self.inline:
             try:
-                if self._pool is None:
-                    context = multiprocessing.get_context("spawn")
-                    self._pool = cf.ProcessPoolExecutor(
-                        max_workers=1, mp_context=context, initializer=_watch_parent, initargs=(os.getpid(),)
-                    )
-                    _pools.add(self._pool)
-                return self._pool.submit(_solve, planner, lens, rank)
-            except (AssertionError, RuntimeError, OSError) as exc:  # no worker here (a daemonic process, a
-                _log.warning("plan_ahead solves on the training thread: no worker process (%s)", exc)
-                self.inline = True  # broken or shut-down pool): solve on this thread from now on
+                with self._lock:
+                    self._pending.append(future)
+                    _frame(self._proc.stdin, (planner, lens, rank))
+                return future
+            except (OSError, ValueError, pickle.PicklingError):  # the worker just died: this one inline
+                with self._lock:
+                    if future in self._pending:
+                        self._pending.remove(future)
                 self.close()
-        done: cf.Future = cf.Future()
         try:
-            done.set_result(_solve(planner, lens, rank))
+            future.set_result(_solve(planner, lens, rank))
         except Exception as exc:  # raised where the plan is taken (the same on every rank)
-            done.set_exception(exc)
-        return done
+            future.set_exception(exc)
+        return future
 
     def result(self, future: cf.Future, planner: Planner, lens: list[list[int]], rank: int) -> Plan:
         """The solved plan; a worker that died is replaced by an inline solve."""
         try:
             return future.result()
-        except cf.process.BrokenProcessPool:
+        except WorkerGone:
             self.close()
             return _solve(planner, lens, rank)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            _pools.discard(self._pool)
-            self._pool = None
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            _procs.discard(proc)
+            try:
+                proc.stdin.close()  # the worker leaves at the end of its input
+            except OSError:
+                pass
+
+    def __del__(self) -> None:
+        self.close()
 
 
-_pools: weakref.WeakSet = weakref.WeakSet()
+_procs: weakref.WeakSet = weakref.WeakSet()
 
 
 @atexit.register
 def _shutdown() -> None:  # pragma: no cover - exit path
-    for pool in list(_pools):
-        pool.shutdown(wait=False, cancel_futures=True)
+    for proc in list(_procs):
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
+
+
+def _serve() -> None:  # pragma: no cover - runs in the worker process
+    """The worker: solve each request read from standard input, answer on standard output, and
+    leave when the input ends (the training process closed it, or is gone)."""
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # nothing else may write into the answers
+    while True:
+        request = _read_frame(stdin)
+        if request is None:
+            return
+        try:
+            answer = (True, _solve(*request))
+        except Exception as exc:
+            answer = (False, exc)
+        _frame(stdout, answer)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    _serve()

@@ -1,14 +1,16 @@
 """The balancer's checks: what each call validates locally, and when it agrees with the other ranks.
 
-A rendezvous (:func:`~knapformer.distributed.agree.agree`: one small all-reduce of the whole
-group) carries the operation, its index in the step, the step, this rank's local problem (if
+A rendezvous (:func:`~knapformer.distributed.agree.agree`: one small all-gather of the whole
+group's fixed-size rows) carries the operation, its index in the step, the step, this rank's local problem (if
 any) and the values that must match, so that bad input on one rank raises the same clear error
 on every rank before data moves, and ranks that make different calls raise naming each
 rank's call. A rendezvous is a synchronisation of the whole group, so a step makes them only
 before its first layer (:class:`StepChecks`):
 
 - ``plan`` (and ``use_plan``, ``flush``, ``load_state_dict``) agree: they are step
-  boundaries, and every error deferred in the previous step is raised there, on every rank;
+  boundaries, and every error deferred in the previous step is raised there, on every rank
+  (a ``plan``/``use_plan`` settled ahead makes no agreement: ``plan_ahead``'s request rode on
+  the previous step's ``route`` row, :mod:`.ahead`; its errors are raised there instead);
 - every ``route`` agrees — where a forward pass begins, before its first layer: its tensors'
   shapes and dtypes, whether gradients are on (and autocast), the plan's digest. A ``route``
   opens a *segment* of the step (so does the step's first call, if it is not a route), and
