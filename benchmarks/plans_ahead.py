@@ -183,6 +183,10 @@ def _rate_beside_worker(sampler, planner, pairs: int, window_s: float, solve_s: 
     finally:
         os.kill(pid, signal.SIGCONT)
         del it
+        try:  # a worker still planning its prefetched steps would share the next config's cores
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     return {"worker_rate": statistics.median(ratios), "worker_busy": statistics.median(running)}
 
 

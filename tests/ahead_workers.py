@@ -352,6 +352,13 @@ def plan_ahead_errors(rank: int, world: int) -> dict:
         y = bal.route(x, seq_lens=lens)
         plans.append(torch.equal(bal.reverse_route(y), x))
     out["worker killed"] = plans
+    # a request longer than the agreement's rows hold: every rank gathers it once more
+    long = list(range(5, 45)) if rank == 0 else lens
+    step(lambda: bal.plan_ahead(long))
+    plan = bal.plan(long)
+    every = [list(range(5, 45))] + [[5 + r, 13] for r in range(1, world)]
+    xl = torch.arange(sum(long), dtype=torch.float64)[:, None]
+    out["long request"] = [plan.digest() == planner(every).digest(), torch.equal(bal.reverse_route(bal.route(xl)), xl)]
     return out
 
 

@@ -92,7 +92,7 @@ def test_plan_ahead_requests_that_differ_raise_on_every_rank():
     other lengths than the request, plans that differ, a request no agreement carried, a step
     that fails at ``route`` after its request — every rank raises the same error type (or
     none), and a normal step runs after each. A killed worker process costs nothing but time:
-    the plans stay gather-then-plan's."""
+    the plans stay gather-then-plan's; so does a request longer than the rows hold."""
     res = run_distributed(W.plan_ahead_errors, 2, timeout=300)
     expected = {
         "bad length": ("BalancerInputError", "bad request on rank(s) [1]: rank 1: next_step[0] = -1"),
@@ -107,6 +107,7 @@ def test_plan_ahead_requests_that_differ_raise_on_every_rank():
             assert r[f"{case} then"] is True, case
         assert r["not carried"] is True, r
         assert r["worker killed"] == [True] * 6, r
+        assert r["long request"] == [True, True], r
 
 
 def test_stock_flux_steady_step_makes_one_collective_with_plans_ahead():
@@ -124,3 +125,19 @@ def test_stock_flux_steady_step_makes_one_collective_with_plans_ahead():
             assert r["counts"][f"ahead lengths step {k} collective"] == 1, r["counts"]
             assert r["counts"][f"ahead plan step {k} collective"] == 1, r["counts"]
         assert not any(k.endswith("p2p") for k in r["counts"]), r["counts"]
+
+
+def test_agreement_rows_grow_to_the_longest_payload_up_to_a_cap():
+    """The rows grow (by doubling, the same on every rank) to hold the longest payload seen, but
+    not past ``MAX_CAPACITY``: one rank's thousands of tiny sequences do not make every later
+    agreement row that long (those steps gather their lengths a second time instead)."""
+    from knapformer.distributed.checks import MAX_CAPACITY, StepChecks
+
+    checks = StepChecks(None, None, 0)
+    start = checks.capacity
+    checks.grow(start - 1)
+    assert checks.capacity == start
+    checks.grow(41)
+    assert checks.capacity == 64
+    checks.grow(100_000)
+    assert checks.capacity == MAX_CAPACITY == 256

@@ -145,8 +145,8 @@ def _read_frame(stream):
 
 class AheadSolver:
     """One worker process per balancer, started at the first request (a second or two: it
-    imports torch), solving one plan at a time. It is a fresh interpreter (``python -m
-    knapformer.distributed.ahead``), not a multiprocessing child: it does not import the
+    imports torch), solving one plan at a time. It is a fresh interpreter (``python -c`` running
+    :func:`_serve`), not a multiprocessing child: it does not import the
     training script again (a script without a ``__main__`` guard would otherwise run twice),
     and it leaves when the training process goes (its input closes). ``inline=True`` solves
     on the caller's thread (what ``plan`` does anyway). A worker that cannot start or dies is
@@ -163,7 +163,7 @@ class AheadSolver:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
         env.setdefault("OMP_NUM_THREADS", "1")
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "knapformer.distributed.ahead"],
+            [sys.executable, "-c", "from knapformer.distributed.ahead import _serve; _serve()"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
@@ -257,7 +257,3 @@ def _serve() -> None:  # pragma: no cover - runs in the worker process
         except Exception as exc:
             answer = (False, exc)
         _frame(stdout, answer)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    _serve()

@@ -153,6 +153,9 @@ class OnceCall:
         return f"{self.op}({', '.join(f'{n}: {v}' for n, v in self.values)})"
 
 
+MAX_CAPACITY = 256
+"""The most payload slots an agreement row grows to (:meth:`StepChecks.grow`)."""
+
 SKIP = "skip"
 """:meth:`StepChecks.once`/:meth:`StepChecks.layer`: the call is not in the schedule (one this
 rank makes beyond the others'): run no exchange, return zeros (the error is deferred)."""
@@ -286,9 +289,11 @@ class StepChecks:
         return out
 
     def grow(self, longest: int) -> None:
-        """Make room for payloads of ``longest`` values in later agreements (call it on every
-        rank alike: from a table every rank gathered)."""
-        while self.capacity < longest:
+        """Make room for payloads of ``longest`` values in later agreements, up to
+        :data:`MAX_CAPACITY` (call it on every rank alike: from a table every rank gathered).
+        Beyond it a payload takes a second gather each time: every agreement carries the rows,
+        and one rank's thousands of tiny sequences must not make every later row that long."""
+        while self.capacity < min(longest, MAX_CAPACITY):
             self.capacity *= 2
 
     def _agree(self, op: str, error: str, values: tuple, what: str, flags=(), payload=()) -> Agreement:
