@@ -247,7 +247,7 @@ class SequenceBalancer:
         # every rank gather them once more, and the rows grow for the steps after
         payload = [self._loop.seconds_bits(), *lens]
         try:
-            got = self._checks.agree_rows("plan", error, what="local_seq_lens", play=False, payload=payload)
+            got = self._checks.agree("plan", error, what="local_seq_lens", play=False, payload=payload)
         except BalancerInputError:
             self._drop_plan()
             raise

@@ -262,26 +262,13 @@ class StepChecks:
         *,
         play: bool = True,
         flags=(),
-    ) -> list[int]:
+        payload=(),
+    ) -> Agreement:
         """Join the agreement of call ``op`` (a deferred error takes precedence over ``error``,
         which is about ``what``). ``play``: within a scheduled segment, first run the scheduled
         per-layer calls this rank skipped (off at step boundaries: ``plan``, ``flush``).
-        ``flags``: small ints whose maximum over the group is returned
-        (:func:`~knapformer.distributed.agree.agree`)."""
-        return self.agree_rows(op, error, values, what, play=play, flags=flags).flags
-
-    def agree_rows(
-        self,
-        op: str,
-        error: str = "",
-        values: tuple[tuple[str, str], ...] = (),
-        what: str = "input",
-        *,
-        play: bool = True,
-        flags=(),
-        payload=(),
-    ) -> Agreement:
-        """:meth:`agree`, also gathering every rank's ``payload`` in the same collective."""
+        ``flags``: small ints whose maximum over the group the result carries; ``payload``:
+        ints every rank's of which it carries (:func:`~knapformer.distributed.agree.agree_rows`)."""
         if play:
             self._play_skipped(op)
         out = self._agree(op, error, values, what, flags, payload)
