@@ -75,8 +75,6 @@ class Ahead:
     """The next plan, being solved (LENGTHS)."""
     lens: list[list[int]] | None = None
     """Every rank's next lengths (LENGTHS)."""
-    digest: int = 0
-    """The agreed plan digest (PLAN)."""
 
 
 def settle(rows: list[list[int]], request: AheadRequest | None, texts) -> tuple[Ahead, list[int] | None]:
@@ -108,7 +106,7 @@ def settle(rows: list[list[int]], request: AheadRequest | None, texts) -> tuple[
             differ = [i for i, v in enumerate(values) if v[0] != values[0][0]]
             message = f"SequenceBalancer.plan_ahead: the plan differs on rank(s) {differ} from rank 0"
             return Ahead(PLAN, request, problem=(PlanMismatchError, message)), seconds
-        return Ahead(PLAN, request, digest=values[0][0]), seconds
+        return Ahead(PLAN, request), seconds  # (the request's plan: its digest is every rank's)
     return Ahead(LENGTHS, request, lens=values), seconds
 
 
