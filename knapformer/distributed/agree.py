@@ -48,6 +48,7 @@ __all__ = [
     "describe_parts",
     "digest62",
     "digest_of",
+    "gather_int_rows",
     "gather_ints",
     "gather_text",
     "group_device",
@@ -84,18 +85,23 @@ def _host_table(t: torch.Tensor) -> np.ndarray:
     return (t if t.device.type == "cpu" else t.cpu()).numpy()
 
 
-def gather_ints(control, values: list[int], counts: list[int], phase: str) -> np.ndarray:
-    """Every rank's ``values`` (rank r has ``counts[r]`` of them, known to all), concatenated in
-    rank order: one even all-gather of int64 rows padded to the longest."""
-    size = len(counts)
+def gather_int_rows(control, values: list[int], counts: list[int], phase: str) -> list[list[int]]:
+    """Every rank's ``values`` (rank r has ``counts[r]`` of them, known to all), one list per
+    rank: one even all-gather of int64 rows padded to the longest."""
     width = max(max(counts, default=0), 1)
     row = np.zeros(width, dtype=np.int64)
     row[: len(values)] = values
     t = to_device(torch.from_numpy(row), group_device(control))
-    parts = [torch.empty_like(t) for _ in range(size)]
+    parts = [torch.empty_like(t) for _ in range(len(counts))]
     lifetime.collective(lambda: dist.all_gather(parts, t, group=control), (t, *parts), phase, control)
-    table = _host_table(torch.stack(parts))
-    return np.concatenate([table[r, : counts[r]] for r in range(size)]) if size else np.zeros(0, dtype=np.int64)
+    table = _host_table(torch.stack(parts)) if counts else np.zeros((0, width), dtype=np.int64)
+    return [table[r, : counts[r]].tolist() for r in range(len(counts))]
+
+
+def gather_ints(control, values: list[int], counts: list[int], phase: str) -> np.ndarray:
+    """:func:`gather_int_rows`, concatenated in rank order."""
+    rows = gather_int_rows(control, values, counts, phase)
+    return np.asarray([v for r in rows for v in r], dtype=np.int64)
 
 
 def signature(tensors, names=None) -> tuple[tuple[str, str], ...]:

@@ -39,7 +39,6 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from knapformer.distributed.agree import (
@@ -49,7 +48,7 @@ from knapformer.distributed.agree import (
     agree_rows,
     describe_parts,
     digest_of,
-    gather_ints,
+    gather_int_rows,
     signature,
 )
 from knapformer.distributed.ahead import AheadRequest
@@ -311,9 +310,8 @@ class StepChecks:
                 capacity=self.capacity,
             )
             if got.overflow:  # every rank sees it: all gather the long payloads, and the rows grow
-                flat = gather_ints(self.control, list(payload), got.counts, op)
-                ends = np.cumsum(got.counts)
-                got = dataclasses.replace(got, gathered=[flat[e - c : e].tolist() for e, c in zip(ends, got.counts)])
+                rows = gather_int_rows(self.control, list(payload), got.counts, op)
+                got = dataclasses.replace(got, gathered=rows)
                 self.grow(max(got.counts))
             if not boundary and any(got.counts) and self.on_ahead is not None:
                 self.on_ahead(got.payloads(), carried)
